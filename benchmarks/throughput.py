@@ -1,0 +1,291 @@
+"""Throughput of nmtflow's Transformer against a plain ``torch.nn.Transformer`` on the same data (CPU).
+
+Usage (see benchmarks/README.md)::
+
+    python benchmarks/throughput.py --data data/multi30k --src en --tgt de --out results.json
+
+Both systems get the same batches, the same loss, optimiser, schedule and gradient clipping, and the same
+beam search; only the model differs. Training steps run in alternating blocks (A, B, A, B, ...) and
+decoding alternates per batch, so background load on the machine hits both systems alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nmtflow.config import TrainConfig, load_config
+from nmtflow.data.batching import Batch, TokenBatchSampler, collate
+from nmtflow.data.bitext import open_bitext
+from nmtflow.data.prepare import load_meta, load_tokenizer, prepare
+from nmtflow.data.vocab import PAD
+from nmtflow.decode.search import beam_search, max_output_lengths
+from nmtflow.decode.translate import batches_by_length
+from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies, build_model, \
+    count_parameters
+from nmtflow.nn.layers import SinusoidalPositions
+from nmtflow.train.loss import label_smoothed_nll
+from nmtflow.train.optim import build_optimizer, build_scheduler
+
+# nn.Transformer builds its encoder with enable_nested_tensor=True, which norm_first layers cannot use.
+warnings.filterwarnings("ignore", message=r"enable_nested_tensor is True")
+
+
+# ---- system B: the reference model ----------------------------------------------------------------
+@dataclass
+class ReferenceConfig(ModelConfig):
+    name: str = "nn.Transformer"
+    d_model: int = 256
+    heads: int = 4
+    layers: int = 3
+    ffn_dim: int = 1024
+    dropout: float = 0.1
+    max_positions: int = 1024  # read by beam_search for its length limit
+
+
+class ReferenceTransformer(EncoderDecoder):
+    """``nn.Transformer`` (pre-norm, batch-first) behind nmtflow's EncoderDecoder contract.
+
+    One token embedding (scaled by √d) shared by source, target and the output projection, sinusoidal
+    positions. No incremental cache: with a ``state`` it keeps the generated prefix in ``state["prefix"]``
+    (B,t), batch-first so beam search reorders it, and re-runs the whole decoder over it at every step.
+    """
+
+    def __init__(self, cfg: ReferenceConfig, vocab_size: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.Transformer(d_model=cfg.d_model, nhead=cfg.heads, num_encoder_layers=cfg.layers,
+                                          num_decoder_layers=cfg.layers, dim_feedforward=cfg.ffn_dim,
+                                          dropout=cfg.dropout, batch_first=True, norm_first=True)
+        self.embed = nn.Embedding(vocab_size, cfg.d_model, padding_idx=PAD)
+        nn.init.normal_(self.embed.weight, std=cfg.d_model ** -0.5)
+        with torch.no_grad():
+            self.embed.weight[PAD].zero_()
+        self.positions = SinusoidalPositions(cfg.d_model, cfg.max_positions)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens) * math.sqrt(self.config.d_model) + self.positions(tokens.size(1))
+        return self.dropout(x)
+
+    def encode(self, src: Tensor) -> EncoderOut:
+        pad = src.eq(PAD)
+        out = self.transformer.encoder(self.embed_tokens(src), src_key_padding_mask=pad)
+        return {"out": out, "padding_mask": pad}
+
+    def decode(self, tgt_in: Tensor, enc: EncoderOut, state: State | None = None) -> Tensor:
+        tgt = tgt_in
+        if state is not None:
+            tgt = torch.cat([state["prefix"], tgt_in], dim=1) if "prefix" in state else tgt_in
+            state["prefix"] = tgt
+        causal = nn.Transformer.generate_square_subsequent_mask(tgt.size(1), device=tgt.device)
+        tgt_pad = torch.zeros(tgt.shape, device=tgt.device).masked_fill(tgt.eq(PAD), float("-inf"))
+        h = self.transformer.decoder(self.embed_tokens(tgt), enc["out"], tgt_mask=causal, tgt_is_causal=True,
+                                     tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=enc["padding_mask"])
+        logits = F.linear(h, self.embed.weight)  # tied output projection
+        return logits[:, -tgt_in.size(1):]
+
+
+# ---- one training update (mirrors nmtflow.train.trainer.Trainer.train_step for one batch) ----------
+class Optimiser:
+    """A model with nmtflow's optimiser and schedule; ``step(batch)`` is one update, returns loss/token."""
+
+    def __init__(self, model: EncoderDecoder, tc: TrainConfig) -> None:
+        self.model, self.tc = model, tc
+        self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], tc)
+        self.scheduler = build_scheduler(self.optimizer, tc)
+
+    def step(self, b: Batch) -> float:
+        model, tc = self.model, self.tc
+        model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = b.num_tgt_tokens
+        enc = model.encode(b.src)
+        loss, _ = label_smoothed_nll(model.decode(b.tgt_in, enc), b.tgt_out, tc.label_smoothing)
+        total = loss / tokens
+        aux = model.auxiliary_loss(enc)
+        if aux is not None:
+            total = total + aux
+        total.backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, tc.clip_norm if tc.clip_norm > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss.item() / tokens
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this whole process so far (both systems live in it)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
+
+
+def decode_batch(model: EncoderDecoder, src: Tensor, args: argparse.Namespace) -> tuple[float, list[int]]:
+    """Beam search over one batch → (seconds, output lengths without EOS)."""
+    start = time.perf_counter()
+    hyps = beam_search(model, src, beam_size=args.beam, len_penalty=0.6, max_len_a=1.5, max_len_b=10)
+    return time.perf_counter() - start, [len(h[0].tokens) for h in hyps]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", type=Path, required=True, help="directory with train.LANG and val.LANG")
+    p.add_argument("--src", default="en")
+    p.add_argument("--tgt", default="de")
+    p.add_argument("--work", type=Path, help="prepared-data cache (default runs/bench-data-SRC-TGT)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.json"))
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--layers", type=int, default=3, help="encoder and decoder layers of both systems")
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=5, help="untimed training batches per system")
+    p.add_argument("--steps", type=int, default=40, help="timed training batches per system")
+    p.add_argument("--rounds", type=int, default=4, help="alternating A/B blocks the timed steps are split into")
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="extra untimed updates of both systems (same batches) before decoding")
+    p.add_argument("--lr-warmup", type=int, default=4000, help="inverse_sqrt warm-up updates")
+    p.add_argument("--decode-sentences", type=int, default=300)
+    p.add_argument("--decode-max-tokens", type=int, default=6000)
+    p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.decode_sentences < 1:
+        p.error("--steps and --decode-sentences must be >= 1")
+    torch.set_num_threads(args.threads)
+    rss: dict[str, float] = {}
+
+    # 1. data
+    work = args.work or Path(f"runs/bench-data-{args.src}-{args.tgt}")
+    if not (work / "meta.json").is_file():
+        prepare({"train": args.data / "train", "valid": args.data / "val"}, [args.src, args.tgt], work,
+                vocab_size=args.vocab_size, joint=True)
+    meta = load_meta(work)
+    vocab = load_tokenizer(work, args.tgt, meta).vocab_size
+    train, valid = open_bitext(work, "train", args.src, args.tgt), open_bitext(work, "valid", args.src, args.tgt)
+    sampler = TokenBatchSampler(train.src.sizes, train.tgt.sizes, args.max_tokens, shuffle=True, seed=args.seed)
+    needed, order, epoch = args.warmup + args.steps + args.train_steps, [], 1
+    while len(order) < needed:
+        order += sampler.batches(epoch)
+        epoch += 1
+    batches = [train.batch(idx) for idx in order[:needed]]  # collated once: batching is not timed
+    warm, timed = batches[:args.warmup], batches[args.warmup:args.warmup + args.steps]
+    extra = batches[args.warmup + args.steps:]
+    rss["after_data"] = peak_rss_mb()
+
+    # 2. models
+    cfg = load_config(data={
+        "model": {"name": "transformer", "preset": "small", "encoder_layers": args.layers,
+                  "decoder_layers": args.layers, "dropout": 0.1, "tie_embeddings": True},
+        "data": {"path": str(work), "src_lang": args.src, "tgt_lang": args.tgt, "max_tokens": args.max_tokens},
+        "train": {"seed": args.seed, "threads": args.threads, "label_smoothing": 0.1, "clip_norm": 1.0,
+                  "warmup_updates": args.lr_warmup}})
+    torch.manual_seed(args.seed)
+    sys_a = build_model(cfg.model, Vocabularies(vocab, vocab, joint=True))
+    torch.manual_seed(args.seed)
+    ref_cfg = ReferenceConfig(d_model=cfg.model.d_model, heads=cfg.model.heads, layers=args.layers,
+                              ffn_dim=cfg.model.ffn_dim, dropout=cfg.model.dropout)
+    sys_b = ReferenceTransformer(ref_cfg, vocab)
+    systems = {"nmtflow": Optimiser(sys_a, cfg.train), "reference_nn_transformer": Optimiser(sys_b, cfg.train)}
+    rss["after_build"] = peak_rss_mb()
+
+    # 3. training throughput: untimed warm-up, then alternating timed blocks over the same batches
+    for opt in systems.values():
+        for b in warm:
+            opt.step(b)
+    rss["after_warmup"] = peak_rss_mb()
+    seconds = dict.fromkeys(systems, 0.0)
+    losses: dict[str, list[float]] = {name: [] for name in systems}
+    rounds = max(1, min(args.rounds, len(timed)))
+    blocks = [timed[i * len(timed) // rounds:(i + 1) * len(timed) // rounds] for i in range(rounds)]
+    for block in blocks:
+        for name, opt in systems.items():
+            for b in block:
+                start = time.perf_counter()
+                losses[name].append(opt.step(b))
+                seconds[name] += time.perf_counter() - start
+    timed_tokens = sum(b.num_tgt_tokens for b in timed)
+    rss["after_train"] = peak_rss_mb()
+    for b in extra:
+        for opt in systems.values():
+            opt.step(b)
+
+    # 4. decoding throughput: beam search over the first N validation sentences, alternating per batch
+    sources = [valid.src[i].tolist() for i in range(min(args.decode_sentences, len(valid)))]
+    src_batches = [collate([sources[i] for i in rows], [[]] * len(rows)).src
+                   for rows in batches_by_length([len(s) for s in sources], args.decode_max_tokens)]
+    caps = torch.cat([max_output_lengths(s, 1.5, 10, ref_cfg.max_positions - 2) for s in src_batches]).tolist()
+    dec_seconds = dict.fromkeys(systems, 0.0)
+    dec_lengths: dict[str, list[int]] = {name: [] for name in systems}
+    for opt in systems.values():
+        opt.model.eval()
+        decode_batch(opt.model, src_batches[0][:2], args)  # untimed warm-up
+    for src in src_batches:
+        for name, opt in systems.items():
+            t, lengths = decode_batch(opt.model, src, args)
+            dec_seconds[name] += t
+            dec_lengths[name] += lengths
+            rss[f"after_decode_{name}"] = peak_rss_mb()  # running peak: both systems contribute
+
+    # 5. report
+    result: dict[str, Any] = {
+        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "python": platform.python_version(), "arch": platform.machine()},
+        "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
+                   "layers": args.layers, "d_model": ref_cfg.d_model, "heads": ref_cfg.heads,
+                   "ffn_dim": ref_cfg.ffn_dim, "dropout": ref_cfg.dropout, "max_tokens": args.max_tokens,
+                   "warmup_batches": args.warmup, "timed_batches": len(timed), "rounds": rounds,
+                   "timed_tgt_tokens": timed_tokens, "train_steps_before_decode": args.train_steps,
+                   "label_smoothing": cfg.train.label_smoothing, "clip_norm": cfg.train.clip_norm,
+                   "decode_sentences": len(sources), "decode_batches": len(src_batches), "beam": args.beam,
+                   "len_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "seed": args.seed},
+        "peak_rss_mb_by_phase": {k: round(v, 1) for k, v in rss.items()},
+        "note": "peak RSS is process-wide (ru_maxrss): both systems live in one process, so a phase's value "
+                "includes everything allocated before it",
+    }
+    for name, opt in systems.items():
+        lengths = dec_lengths[name]
+        result[name] = {
+            "parameters": count_parameters(opt.model),
+            "train_tgt_tokens_per_s": timed_tokens / seconds[name],
+            "train_seconds": seconds[name],
+            "train_loss_last": losses[name][-1],
+            "decode_sentences_per_s": len(lengths) / dec_seconds[name],
+            "decode_output_tokens_per_s": sum(n + 1 for n in lengths) / dec_seconds[name],
+            "decode_seconds": dec_seconds[name],
+            "decode_mean_output_len": sum(lengths) / len(lengths),
+            "decode_frac_at_length_cap": sum(n >= c for n, c in zip(lengths, caps)) / len(lengths),
+            "peak_rss_mb": rss[f"after_decode_{name}"],
+        }
+    a, b = result["nmtflow"], result["reference_nn_transformer"]
+    result["ratios"] = {"train_tokens_per_s": a["train_tgt_tokens_per_s"] / b["train_tgt_tokens_per_s"],
+                        "decode_sentences_per_s": a["decode_sentences_per_s"] / b["decode_sentences_per_s"]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+    rows = [("train tgt tokens/s", "train_tgt_tokens_per_s", "train_tokens_per_s"),
+            ("decode sentences/s", "decode_sentences_per_s", "decode_sentences_per_s"),
+            ("decode mean output len", "decode_mean_output_len", None),
+            ("parameters", "parameters", None)]
+    print(f"{'':24}{'nmtflow':>14}{'nn.Transformer':>16}{'ratio A/B':>11}")
+    for label, key, ratio in rows:
+        r = f"{result['ratios'][ratio]:>11.2f}" if ratio else ""
+        print(f"{label:24}{a[key]:>14,.1f}{b[key]:>16,.1f}{r}")
+    print(f"peak RSS (process-wide): {max(rss.values()):.0f} MB; written to {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

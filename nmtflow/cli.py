@@ -1,0 +1,326 @@
+"""The ``nmtflow`` command line. Each subcommand parses its arguments and calls into the package."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+log = logging.getLogger("nmtflow")
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {}
+
+
+def command(fn: Callable[[argparse.Namespace], int | None]) -> Callable[[argparse.Namespace], int | None]:
+    COMMANDS[fn.__name__.removeprefix("cmd_")] = fn
+    return fn
+
+
+# --------------------------------------------------------------------------------------------------
+@command
+def cmd_corpus(args: argparse.Namespace) -> None:
+    from nmtflow.data.synthetic import generate_corpus
+
+    counts = generate_corpus(args.out, langs=args.langs, n_train=args.train, n_valid=args.valid,
+                             n_test=args.test, seed=args.seed)
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+
+
+@command
+def cmd_prepare(args: argparse.Namespace) -> None:
+    from nmtflow.data.corpus import CleanConfig
+    from nmtflow.data.prepare import prepare
+
+    splits = {"train": args.train}
+    if args.valid:
+        splits["valid"] = args.valid
+    if args.test:
+        splits["test"] = args.test
+    for extra in args.split or []:
+        name, _, prefix = extra.partition("=")
+        splits[name] = prefix
+    meta = prepare(splits, args.langs, Path(args.out), vocab_size=args.vocab_size, joint=not args.separate_vocab,
+                   clean=CleanConfig(max_len=args.max_len, max_ratio=args.max_ratio), lang_tags=args.lang_tags)
+    for split, info in meta["splits"].items():
+        print(f"{split}: {info['rows']} rows" + (f" ({info['dropped']} dropped by cleaning)" if info.get("dropped") else ""))
+    print(f"prepared data in {args.out}")
+
+
+@command
+def cmd_train(args: argparse.Namespace) -> None:
+    from nmtflow.config import load_config
+    from nmtflow.train.trainer import Trainer
+
+    config = load_config(args.config, args.set)
+    if args.save_dir:
+        config.train.save_dir = args.save_dir
+    if args.data:
+        config.data.path = args.data
+    trainer = Trainer(config, resume=not args.restart)
+    result = trainer.train()
+    print(f"{result.progress.stopped}; checkpoints in {result.save_dir}")
+
+
+@command
+def cmd_average(args: argparse.Namespace) -> None:
+    from nmtflow.train.checkpoint import average_checkpoints, periodic_checkpoints, save_atomic
+
+    paths = [Path(p) for p in args.checkpoints]
+    if len(paths) == 1 and paths[0].is_dir():
+        found = periodic_checkpoints(paths[0])
+        if not found:
+            raise ValueError(f"{paths[0]}: no checkpoint_UPDATE.pt files to average")
+        paths = found[-args.last:]
+    save_atomic(average_checkpoints(paths), args.output)
+    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) into {args.output}")
+
+
+def _translator(args: argparse.Namespace):
+    from nmtflow.decode.translate import Translator
+    from nmtflow.train.trainer import resolve_device
+
+    translator = Translator.from_checkpoint(args.checkpoint, resolve_device(args.device))
+    d = translator.decode
+    for field, value in (("beam_size", args.beam), ("nbest", args.nbest), ("len_penalty", args.lenpen),
+                         ("max_len_a", args.max_len_a), ("max_len_b", args.max_len_b),
+                         ("max_tokens", args.batch_tokens)):
+        if value is not None:
+            setattr(d, field, value)
+    if args.greedy:
+        d.greedy = True
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return translator
+
+
+def _read_lines(path: str) -> list[str]:
+    from nmtflow.data.corpus import CorpusError
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise CorpusError(path, "file not found") from None
+    except UnicodeDecodeError as exc:
+        line = text_line = Path(path).read_bytes()[: exc.start].count(b"\n") + 1
+        raise CorpusError(path, f"invalid UTF-8 at byte {exc.start}", line=text_line or line) from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [ln.rstrip("\r") for ln in lines]
+
+
+@command
+def cmd_translate(args: argparse.Namespace) -> None:
+    translator = _translator(args)
+    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    interactive = args.input is None and sys.stdin.isatty()
+    if args.input is not None:
+        results = translator.translate_stream(_read_lines(args.input), chunk=1000)
+    else:
+        if interactive:
+            print("nmtflow: type a sentence and press Enter (Ctrl-D to quit)", file=sys.stderr)
+        results = translator.translate_stream(sys.stdin, chunk=1 if interactive or args.unbuffered else 1000)
+    try:
+        for n, nbest in enumerate(results):
+            if translator.decode.nbest > 1:
+                for text, score in nbest:
+                    out.write(f"{n}\t{score:.4f}\t{text}\n")
+            else:
+                out.write(nbest[0][0] + "\n")
+            if interactive or args.unbuffered:
+                out.flush()
+    finally:
+        if out is not sys.stdout:
+            out.close()
+
+
+@command
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    from nmtflow.evaluate.metrics import bleu, chrf
+
+    refs = _read_lines(args.ref)
+    if args.hyp:
+        hyps = _read_lines(args.hyp)
+    elif args.checkpoint and args.src:
+        hyps = [nb[0][0] for nb in _translator(args).translate(_read_lines(args.src))]
+        if args.output:
+            Path(args.output).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+    else:
+        raise ValueError("evaluate needs --hyp FILE, or a CHECKPOINT with --src FILE")
+    if len(hyps) != len(refs):
+        raise ValueError(f"{args.hyp or args.src} has {len(hyps)} lines but {args.ref} has {len(refs)}")
+    scores = [bleu(hyps, refs), chrf(hyps, refs)]
+    if args.json:
+        print(json.dumps({s.name: {"score": round(s.score, 2), "signature": s.signature} for s in scores}))
+    else:
+        for s in scores:
+            print(s)
+
+
+@command
+def cmd_score(args: argparse.Namespace) -> None:
+    translator = _translator(args)
+    if args.candidates:
+        from nmtflow.decode.contrastive import contrastive_accuracy
+
+        result = contrastive_accuracy(translator, args.candidates)
+        print(json.dumps(result) if args.json else
+              f"contrastive accuracy {result['accuracy']:.4f} ({result['correct']}/{result['total']})")
+        return
+    if not (args.src and args.tgt):
+        raise ValueError("score needs --src FILE --tgt FILE, or --candidates FILE")
+    src, tgt = _read_lines(args.src), _read_lines(args.tgt)
+    if len(src) != len(tgt):
+        raise ValueError(f"{args.src} has {len(src)} lines but {args.tgt} has {len(tgt)}")
+    for lp in translator.score(src, tgt):
+        print(f"{lp:.4f}")
+
+
+@command
+def cmd_info(args: argparse.Namespace) -> None:
+    from nmtflow.config import load_config
+    from nmtflow.models.base import Vocabularies, build_model, count_parameters, parameters_by_module
+
+    config = load_config(args.config, args.set)
+    model = build_model(config.model, Vocabularies(args.vocab_size, args.vocab_size, joint=True))
+    info = {"model": config.model.name, "parameters": count_parameters(model),
+            "modules": parameters_by_module(model)}
+    if args.json:
+        print(json.dumps({"parameters": info["parameters"], "modules": info["modules"]}))
+        return
+    print(f"model: {info['model']} (vocabulary {args.vocab_size}, joint)")
+    for name, n in info["modules"].items():
+        print(f"  {name:<20} {n:>14,}")
+    print(f"  {'total':<20} {info['parameters']:>14,}")
+
+
+@command
+def cmd_quickstart(args: argparse.Namespace) -> None:
+    from nmtflow.quickstart import run_quickstart
+
+    run_quickstart(Path(args.workdir), minutes=args.minutes, threads=args.threads)
+
+
+# --------------------------------------------------------------------------------------------------
+def _decode_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", nargs="?" if p.prog.endswith("evaluate") else None, help="a checkpoint (.pt)")
+    p.add_argument("--beam", type=int, help="beam size (default: the config's, 5)")
+    p.add_argument("--nbest", type=int, help="hypotheses per input (printed as INDEX<TAB>SCORE<TAB>TEXT)")
+    p.add_argument("--greedy", action="store_true", help="greedy search")
+    p.add_argument("--lenpen", type=float, help="GNMT length penalty alpha")
+    p.add_argument("--max-len-a", type=float, help="output length limit a·|x| + b: a")
+    p.add_argument("--max-len-b", type=int, help="output length limit a·|x| + b: b")
+    p.add_argument("--batch-tokens", type=int, help="source tokens per decoding batch")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--threads", type=int, help="CPU threads")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nmtflow", description="Neural machine translation research on information flow.")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE first (to register your own models or attention variants)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("quickstart", help="generate the built-in corpus, train a small Transformer, translate, print BLEU")
+    p.add_argument("--workdir", default="runs/quickstart")
+    p.add_argument("--minutes", type=float, default=6.0, help="training budget in minutes")
+    p.add_argument("--threads", type=int, default=None)
+
+    p = sub.add_parser("corpus", help="write the built-in synthetic multilingual corpus")
+    p.add_argument("out")
+    p.add_argument("--langs", nargs="+", default=["en", "de", "fr"])
+    p.add_argument("--train", type=int, default=20000)
+    p.add_argument("--valid", type=int, default=500)
+    p.add_argument("--test", type=int, default=500)
+    p.add_argument("--seed", type=int, default=1234)
+
+    p = sub.add_parser("prepare", help="validate, clean, learn SentencePiece, binarize a parallel corpus")
+    p.add_argument("--train", required=True, metavar="PREFIX", help="training files PREFIX.LANG")
+    p.add_argument("--valid", metavar="PREFIX")
+    p.add_argument("--test", metavar="PREFIX")
+    p.add_argument("--split", action="append", metavar="NAME=PREFIX", help="further splits")
+    p.add_argument("--langs", nargs="+", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--separate-vocab", action="store_true", help="one SentencePiece model per language")
+    p.add_argument("--lang-tags", action="store_true", help="reserve <2xx> target-language tags")
+    p.add_argument("--max-len", type=int, default=250, help="cleaning: drop training rows longer than this (tokens)")
+    p.add_argument("--max-ratio", type=float, default=3.0, help="cleaning: drop rows whose length ratio exceeds this")
+
+    p = sub.add_parser("train", help="train (and resume) a model from a YAML config")
+    p.add_argument("config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.max_updates=100")
+    p.add_argument("--save-dir")
+    p.add_argument("--data", help="prepared data directory (overrides data.path)")
+    p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint_last.pt")
+
+    p = sub.add_parser("average", help="average checkpoints (a save dir's last N, or given files)")
+    p.add_argument("checkpoints", nargs="+")
+    p.add_argument("--last", type=int, default=5)
+    p.add_argument("-o", "--output", required=True)
+
+    p = sub.add_parser("translate", help="translate a file or stdin")
+    _decode_options(p)
+    p.add_argument("-i", "--input", help="input file (default: stdin, line by line)")
+    p.add_argument("-o", "--output", help="output file (default: stdout)")
+    p.add_argument("--unbuffered", action="store_true", help="translate and flush each stdin line at once")
+
+    p = sub.add_parser("evaluate", help="sacreBLEU BLEU and chrF (of a file, or of a checkpoint's translations)")
+    _decode_options(p)
+    p.add_argument("--hyp", help="hypotheses file")
+    p.add_argument("--src", help="source file to translate with CHECKPOINT")
+    p.add_argument("--ref", required=True, help="reference file")
+    p.add_argument("-o", "--output", help="write the translations here")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("score", help="log-probabilities of given translations; contrastive accuracy")
+    _decode_options(p)
+    p.add_argument("--src")
+    p.add_argument("--tgt")
+    p.add_argument("--candidates", help="TSV: source, correct translation, incorrect translations…")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("info", help="parameters of a config's model, per top-level module")
+    p.add_argument("config")
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from nmtflow.config import ConfigError
+    from nmtflow.train.checkpoint import CheckpointError
+
+    expected: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, ValueError, OSError, KeyError)
+    try:
+        for module in args.plugin:
+            sys.path.insert(0, os.getcwd())
+            importlib.import_module(module)
+        COMMANDS[args.command](args)
+    except expected as exc:
+        if os.environ.get("NMTFLOW_DEBUG"):
+            raise
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"nmtflow {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Typed configuration: dataclasses loaded from YAML, unknown keys rejected.
+
+A config file has four sections, each a dataclass below::
+
+    base: transformer-small.yaml   # optional: a file this one overrides (path relative to this file)
+    model: {name: transformer, preset: small, encoder_layers: 3}
+    data: {path: data/multi30k, src_lang: en, tgt_lang: de}
+    train: {max_updates: 20000}
+    decode: {beam_size: 5}
+
+``model.name`` picks the model from the registry and with it the dataclass that types the rest of the
+``model`` section; attention variants inside a model config are typed the same way by ``type``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the file and the offending key."""
+
+
+@dataclass
+class DataConfig:
+    """Where the prepared (binarized) data lives and how it is batched."""
+
+    path: str = ""  # directory written by `nmtflow prepare`
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    train_split: str = "train"
+    valid_split: str = "valid"
+    max_tokens: int = 4096  # padded tokens per batch (source or target, whichever is longer)
+    max_sentences: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, validation, checkpointing and logging."""
+
+    save_dir: str = "runs/default"
+    seed: int = 1
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
+    max_updates: int = 100_000
+    max_epochs: int | None = None
+    max_minutes: float | None = None  # wall-clock budget
+    update_freq: int = 1  # gradient accumulation: batches per update
+    optimizer: str = "adam"
+    lr: float = 7e-4
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    lr_scheduler: str = "inverse_sqrt"  # inverse_sqrt | constant
+    warmup_updates: int = 4000
+    warmup_init_lr: float = 1e-7
+    clip_norm: float = 1.0  # 0 disables clipping
+    label_smoothing: float = 0.1
+    validate_every: int = 1000  # updates; validation loss (and BLEU if valid_bleu)
+    valid_bleu: bool = True
+    valid_bleu_max_sentences: int | None = 500
+    valid_beam_size: int = 1
+    save_every: int = 1000  # updates; also writes checkpoint_last.pt
+    keep_checkpoints: int = 5  # periodic checkpoints kept on disk (checkpoint_last / _best always)
+    patience: int | None = None  # early stopping: validations without improvement
+    early_stop_metric: str = "bleu"  # bleu | loss
+    log_every: int = 50
+    progress: bool = True  # tqdm bar
+
+
+@dataclass
+class DecodeConfig:
+    """Search settings shared by `translate`, validation BLEU and `quickstart`."""
+
+    beam_size: int = 5
+    nbest: int = 1
+    len_penalty: float = 0.6  # GNMT alpha: score / ((5 + |y|) / 6) ** alpha
+    max_len_a: float = 1.5  # output length limit a * |x| + b
+    max_len_b: int = 10
+    max_input_tokens: int = 512  # longer inputs are truncated (with a warning)
+    max_tokens: int = 6000  # source tokens per decoding batch
+    greedy: bool = False
+
+
+@dataclass
+class Config:
+    """A whole experiment: the model section is typed by the registered model's config class."""
+
+    model: Any = None
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# strict dict → dataclass conversion
+
+
+def _origin_is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def coerce(tp: Any, value: Any, where: str) -> Any:
+    """Convert a YAML value to type ``tp`` (dataclasses, Optional, lists, tuples, dicts, scalars)."""
+    if tp is Any:
+        return value
+    if _origin_is_union(tp):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(arg, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(value) and isinstance(value, tp):
+            return value
+        return from_dict(tp, value, where)
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{where}: expected {len(args)} values, got {len(value)}")
+            return tuple(coerce(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+        item = args[0] if args else Any
+        items = [coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        _, val_tp = typing.get_args(tp) or (Any, Any)
+        return {k: coerce(val_tp, v, f"{where}.{k}") for k, v in value.items()}
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type, data: Any, where: str = "config") -> Any:
+    """Build dataclass ``cls`` from a mapping; unknown keys and wrong types raise ConfigError.
+
+    A dataclass may define ``resolve(cls, data) -> type`` (a classmethod) to pick a more specific
+    class from the data itself (used for registry-typed sections such as ``model`` and attention).
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
+    resolver = getattr(cls, "resolve", None)
+    if resolver is not None:
+        cls, data = resolver(data, where)
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in known]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    kwargs = {k: coerce(hints[k], v, f"{where}.{k}") for k, v in data.items()}
+    obj = cls(**kwargs)
+    post = getattr(obj, "validate", None)
+    if post is not None:
+        post(where)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass → plain YAML/JSON-able structure (tuples become lists)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# files, inheritance and overrides
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            if key == "model" and value.get("name", out[key].get("name")) != out[key].get("name"):
+                out[key] = dict(value)  # another model: nothing of the base's model section applies
+            else:
+                out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a config file, following ``base:`` chains (relative to the including file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    if path.resolve() in _seen:
+        raise ConfigError(f"{path}: circular 'base:' chain")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{line}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    base = data.pop("base", None)
+    if base is not None:
+        base_path = Path(base)
+        if not base_path.is_absolute():
+            base_path = path.parent / base_path
+        data = _deep_merge(read_yaml(base_path, _seen + (path.resolve(),)), data)
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``train.max_updates=100`` → (["train", "max_updates"], 100) with YAML typing of the value."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.max_updates=100")
+    key, value = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(value)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    data = dict(data)
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {k!r} is not a section")
+        node[keys[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                data: dict[str, Any] | None = None) -> Config:
+    """Load a YAML config (or a dict), apply ``a.b=c`` overrides, and type-check it all."""
+    raw = read_yaml(path) if path is not None else dict(data or {})
+    raw = apply_overrides(raw, overrides or [])
+    where = str(path) if path is not None else "config"
+    from nmtflow.models.base import ModelConfig  # resolves the registered model config class
+
+    raw.setdefault("model", {"name": "transformer"})
+    hints = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "decode": DecodeConfig}
+    unknown = [k for k in raw if k not in hints]
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: base, {', '.join(hints)})")
+    return Config(**{k: from_dict(tp, raw.get(k), f"{where}: {k}") for k, tp in hints.items()})
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Rebuild a Config saved inside a checkpoint."""
+    return load_config(data=data)

@@ -1,0 +1,182 @@
+"""Streaming access to line-aligned parallel text files, and row cleaning.
+
+A parallel corpus is one plain-text file per language (``PREFIX.LANG``), one sentence per
+line, line ``n`` of every file being translations of each other. :func:`iter_parallel` reads
+the files in lockstep without holding them in memory and reports every problem as a
+:class:`CorpusError` whose message starts with ``FILE:LINE:``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Iterator, Sequence
+
+import numpy as np
+
+_READ_CHUNK = 1 << 20
+
+
+class CorpusError(ValueError):
+    """A problem in a corpus file; the message is ``"FILE:LINE: problem"`` (or ``"FILE: problem"``)."""
+
+    def __init__(self, file: str | Path, problem: str, line: int | None = None) -> None:
+        self.file = str(file)
+        self.problem = problem
+        self.line = line
+        where = self.file if line is None else f"{self.file}:{line}"
+        super().__init__(f"{where}: {problem}")
+
+    def __reduce__(self):  # keep the structured fields across pickling (e.g. worker processes)
+        return (type(self), (self.file, self.problem, self.line))
+
+
+def normalize_line(text: str) -> str:
+    """Collapse every run of whitespace to one space and strip both ends."""
+    return " ".join(text.split())
+
+
+def _check_file(path: Path) -> None:
+    if not path.exists():
+        raise CorpusError(path, "file not found")
+    if not path.is_file():
+        raise CorpusError(path, "not a regular file")
+
+
+def _count_rest(fh: IO[bytes]) -> int:
+    """Number of lines left in a binary file handle (a last line without newline counts)."""
+    n, last = 0, b"\n"
+    while chunk := fh.read(_READ_CHUNK):
+        n += chunk.count(b"\n")
+        last = chunk[-1:]
+    return n + (last != b"\n")
+
+
+def count_lines(path: str | Path) -> int:
+    """Count lines the way :func:`iter_parallel` does (a final line without newline counts)."""
+    path = Path(path)
+    _check_file(path)
+    with open(path, "rb") as fh:
+        return _count_rest(fh)
+
+
+def _iter_lines(path: Path, block_size: int = _READ_CHUNK) -> Iterator[str]:
+    """Normalised lines of one file, decoded block by block (no per-line Python code).
+
+    A decoding error is raised lazily, after every line before the bad one has been yielded.
+    """
+    line_no = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(block_size):
+            if not block.endswith(b"\n"):
+                block += fh.readline()  # complete the last line of the block
+            try:
+                text = block.decode("utf-8")
+                error = None
+            except UnicodeDecodeError as e:
+                line_start = block.rfind(b"\n", 0, e.start) + 1
+                text = block[:line_start].decode("utf-8")
+                bad_line = line_no + block.count(b"\n", 0, line_start) + 1
+                error = CorpusError(
+                    path, f"invalid UTF-8 at byte offset {e.start - line_start} of the line ({e.reason})", bad_line
+                )
+            if line_no == 0 and text.startswith("\ufeff"):  # tolerate a byte-order mark
+                text = text[1:]
+            lines = text.split("\n")
+            if text.endswith("\n") or not text:
+                lines.pop()
+            line_no += len(lines)
+            yield from map(" ".join, map(str.split, lines))
+            if error is not None:
+                raise error
+
+
+def iter_parallel(
+    paths: Sequence[str | Path], *, allow_empty: bool = True
+) -> Iterator[tuple[int, tuple[str, ...]]]:
+    """Yield ``(line_no, (text_file0, text_file1, ...))`` for aligned files, 1-based line numbers.
+
+    Lines are decoded as strict UTF-8, their line ending removed and whitespace normalised
+    (:func:`normalize_line`). Raises :class:`CorpusError` for a missing file, invalid UTF-8
+    (file, line and byte offset), files with different line counts (when the shorter one ends)
+    and, with ``allow_empty=False``, a line that is empty after normalisation. Files are read
+    in blocks; memory use does not depend on the corpus size.
+    """
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ValueError("iter_parallel needs at least one file")
+    for p in paths:
+        _check_file(p)
+    rows = enumerate(zip(*map(_iter_lines, paths), strict=True), 1)
+    try:
+        if allow_empty:
+            yield from rows
+        else:
+            for line_no, texts in rows:
+                if not all(texts):
+                    bad = paths[texts.index("")]
+                    raise CorpusError(bad, "empty line (not allowed outside the training split)", line_no)
+                yield line_no, texts
+    except ValueError as e:
+        if type(e) is not ValueError or "zip()" not in str(e):
+            raise
+        _raise_mismatch(paths)
+
+
+def _raise_mismatch(paths: list[Path]) -> None:
+    counts = [count_lines(p) for p in paths]
+    short = int(np.argmin(counts))
+    long = int(np.argmax(counts))
+    raise CorpusError(
+        paths[short],
+        f"has {counts[short]} lines but {paths[long]} has {counts[long]} lines (files must be line-aligned)",
+    ) from None
+
+
+@dataclass
+class CleanConfig:
+    """Training-data filters, applied to subword token counts of every side of a row.
+
+    A row is kept when every side has ``min_len <= n <= max_len`` tokens and the ratio of the
+    longest to the shortest side is at most ``max_ratio``. Empty sides are always dropped.
+    """
+
+    max_len: int = 250
+    max_ratio: float = 3.0
+    min_len: int = 1
+
+    def __post_init__(self) -> None:
+        if self.min_len < 1:
+            raise ValueError(f"CleanConfig.min_len must be >= 1, got {self.min_len}")
+        if self.max_len < self.min_len:
+            raise ValueError(f"CleanConfig.max_len ({self.max_len}) must be >= min_len ({self.min_len})")
+        if not self.max_ratio >= 1.0:
+            raise ValueError(f"CleanConfig.max_ratio must be >= 1, got {self.max_ratio}")
+
+
+def keep_row(lengths: Sequence[int], cfg: CleanConfig) -> bool:
+    """True when a row with these per-side token counts passes the filters of ``cfg``."""
+    lo, hi = min(lengths), max(lengths)
+    return lo >= cfg.min_len and hi <= cfg.max_len and hi <= cfg.max_ratio * lo
+
+
+#: Name used in the design notes.
+clean_row = keep_row
+
+
+def keep_mask(lengths: np.ndarray, cfg: CleanConfig) -> np.ndarray:
+    """Vectorised :func:`keep_row`: ``lengths`` is ``(rows, sides)``; returns a bool mask of rows."""
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 2:
+        raise ValueError(f"keep_mask expects a (rows, sides) array, got shape {lengths.shape}")
+    if lengths.shape[0] == 0 or lengths.shape[1] == 0:
+        return np.ones(lengths.shape[0], dtype=bool)
+    lo = lengths.min(axis=1)
+    hi = lengths.max(axis=1)
+    return (lo >= cfg.min_len) & (hi <= cfg.max_len) & (hi <= cfg.max_ratio * lo)
+
+
+__all__ = [
+    "CorpusError", "iter_parallel", "count_lines", "normalize_line",
+    "CleanConfig", "keep_row", "clean_row", "keep_mask",
+]

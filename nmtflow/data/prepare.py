@@ -1,0 +1,227 @@
+"""Turn raw parallel text into a prepared data directory.
+
+Layout of ``out_dir``::
+
+    meta.json                 written last: its presence means the directory is complete
+    spm.model                 joint tokenizer (or spm.LANG.model, one per language)
+    SPLIT.LANG.{bin,idx}      subword ids, row i of every language is the same sentence pair
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import asdict
+from operator import itemgetter
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from .binarize import IndexedDataset, IndexedWriter
+from .corpus import CleanConfig, CorpusError, iter_parallel, keep_mask
+from .tokenizer import Tokenizer
+from .vocab import lang_tag
+
+META_FILE = "meta.json"
+FORMAT_VERSION = 1
+_META_KEYS = ("langs", "joint", "tokenizers", "splits", "vocab_size")
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not name or any(c.isspace() or c in "/\\<>" for c in name) or name.startswith("."):
+        raise ValueError(f"invalid {kind} name {name!r}")
+
+
+def split_prefix(out_dir: str | Path, split: str, lang: str) -> Path:
+    """Path prefix of the binarized ``split`` for ``lang`` (``out_dir/SPLIT.LANG``)."""
+    return Path(out_dir) / f"{split}.{lang}"
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _chunks(it, size: int):
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
+
+
+def prepare(
+    data_prefixes: Mapping[str, str | Path],
+    langs: Sequence[str],
+    out_dir: str | Path,
+    vocab_size: int = 8000,
+    joint: bool = True,
+    clean: CleanConfig | None = None,
+    lang_tags: bool = False,
+    *,
+    train_split: str = "train",
+    chunk_size: int = 10_000,
+    num_threads: int = 2,
+    max_sentences: int = 2_000_000,
+    seed: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Validate, tokenize, clean and binarize every split; return the ``meta.json`` dict.
+
+    ``data_prefixes`` maps a split name to a prefix whose ``PREFIX.LANG`` files hold the text.
+    The tokenizer(s) are trained on ``train_split`` only: one joint model over all languages
+    (``spm.model``) or one per language (``spm.LANG.model``); ``lang_tags`` adds a ``<2xx>``
+    piece for every language to each model. Only the training split is cleaned (rows failing
+    ``clean`` or with an empty side are dropped and counted); an empty line in another split is
+    a :class:`CorpusError`.
+    """
+    clean = clean or CleanConfig()
+    langs = list(langs)
+    if not langs:
+        raise ValueError("prepare needs at least one language")
+    if len(set(langs)) != len(langs):
+        raise ValueError(f"duplicate languages in {langs}")
+    for lang in langs:
+        _check_name("language", lang)
+    if train_split not in data_prefixes:
+        raise ValueError(f"data_prefixes has no {train_split!r} split (got {sorted(data_prefixes)})")
+    for split in data_prefixes:
+        _check_name("split", split)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / META_FILE).unlink(missing_ok=True)  # the directory is incomplete until meta is rewritten
+    disable = None if progress else True
+
+    files = {split: [Path(f"{prefix}.{lang}") for lang in langs] for split, prefix in data_prefixes.items()}
+
+    # 1. validate every split before any expensive work
+    lines: dict[str, int] = {}
+    for split, paths in files.items():
+        n = 0
+        with tqdm(desc=f"check {split}", unit=" lines", disable=disable, leave=False) as bar:
+            for chunk in _chunks(iter_parallel(paths, allow_empty=(split == train_split)), 1 << 16):
+                n = chunk[-1][0]
+                bar.update(len(chunk))
+        lines[split] = n
+    if lines[train_split] == 0:
+        raise CorpusError(files[train_split][0], "the training split is empty")
+
+    # 2. tokenizers, trained on the training split
+    symbols = [lang_tag(lang) for lang in langs] if lang_tags else []
+    train_kw = dict(user_symbols=symbols, max_sentences=max_sentences, num_threads=num_threads, seed=seed)
+    toks: dict[str, Tokenizer] = {}
+    tok_files: dict[str, str] = {}
+    if joint:
+        tok = Tokenizer.train(files[train_split], out_dir / "spm", vocab_size, **train_kw)
+        for lang in langs:
+            toks[lang], tok_files[lang] = tok, tok.path.name
+    else:
+        for lang, path in zip(langs, files[train_split]):
+            tok = Tokenizer.train([path], out_dir / f"spm.{lang}", vocab_size, **train_kw)
+            toks[lang], tok_files[lang] = tok, tok.path.name
+    for tok in toks.values():
+        tok.num_threads = num_threads
+
+    # 3. encode, clean (train only), binarize
+    splits_meta: dict[str, dict[str, int]] = {}
+    for split, paths in files.items():
+        is_train = split == train_split
+        writers = [IndexedWriter(split_prefix(out_dir, split, lang), max_id=toks[lang].vocab_size - 1)
+                   for lang in langs]
+        rows = dropped = 0
+        try:
+            with tqdm(total=lines[split], desc=f"encode {split}", unit=" lines", disable=disable) as bar:
+                for chunk in _chunks(iter_parallel(paths, allow_empty=is_train), chunk_size):
+                    columns = zip(*map(itemgetter(1), chunk))
+                    encoded = [toks[lang].encode_batch(list(col)) for lang, col in zip(langs, columns)]
+                    if is_train:
+                        lengths = np.stack(
+                            [np.fromiter(map(len, e), dtype=np.int64, count=len(e)) for e in encoded], axis=1
+                        )
+                        keep = keep_mask(lengths, clean)
+                        if not keep.all():
+                            dropped += int((~keep).sum())
+                            encoded = [list(itertools.compress(e, keep)) for e in encoded]
+                    for w, e in zip(writers, encoded):
+                        w.add_many(e)
+                    rows += len(encoded[0])
+                    bar.update(len(chunk))
+        except BaseException:
+            for w in writers:
+                w.abort()
+            raise
+        for w in writers:
+            w.close()
+        if is_train and rows == 0:
+            raise ValueError(
+                f"{files[split][0]}: cleaning dropped all {dropped} training rows (check CleanConfig {clean})"
+            )
+        splits_meta[split] = {"rows": rows, "dropped": dropped, "lines": lines[split]}
+
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "langs": langs,
+        "joint": bool(joint),
+        "lang_tags": bool(lang_tags),
+        "tokenizers": tok_files,
+        "vocab_size": {lang: toks[lang].vocab_size for lang in langs},
+        "splits": splits_meta,
+        "clean": asdict(clean),
+        "source_files": {split: {lang: str(p.resolve()) for lang, p in zip(langs, paths)}
+                         for split, paths in files.items()},
+    }
+    _write_json_atomic(out_dir / META_FILE, meta)
+    return meta
+
+
+def load_meta(out_dir: str | Path) -> dict:
+    """Read ``out_dir/meta.json``; ``ValueError`` if the directory was not (fully) prepared."""
+    out_dir = Path(out_dir)
+    path = out_dir / META_FILE
+    if not out_dir.is_dir():
+        raise ValueError(f"{out_dir}: data directory not found (run prepare first)")
+    if not path.is_file():
+        raise ValueError(f"{out_dir}: not a prepared data directory ({META_FILE} missing; run prepare first)")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read prepared-data metadata ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    missing = [k for k in _META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(f"{path}: missing keys {missing}")
+    for lang in meta["langs"]:
+        if lang not in meta["tokenizers"]:
+            raise ValueError(f"{path}: no tokenizer listed for language {lang!r}")
+        if not (out_dir / meta["tokenizers"][lang]).is_file():
+            raise ValueError(f"{out_dir / meta['tokenizers'][lang]}: tokenizer file listed in {path} is missing")
+    return meta
+
+
+def load_tokenizer(out_dir: str | Path, lang: str, meta: dict | None = None) -> Tokenizer:
+    """The tokenizer of ``lang`` in a prepared directory."""
+    meta = meta or load_meta(out_dir)
+    if lang not in meta["tokenizers"]:
+        raise ValueError(f"{out_dir}: language {lang!r} not prepared (have {meta['langs']})")
+    return Tokenizer(Path(out_dir) / meta["tokenizers"][lang])
+
+
+def load_split(out_dir: str | Path, split: str, lang: str, meta: dict | None = None) -> IndexedDataset:
+    """The binarized ``split`` of ``lang`` in a prepared directory."""
+    meta = meta or load_meta(out_dir)
+    if split not in meta["splits"]:
+        raise ValueError(f"{out_dir}: split {split!r} not prepared (have {sorted(meta['splits'])})")
+    if lang not in meta["langs"]:
+        raise ValueError(f"{out_dir}: language {lang!r} not prepared (have {meta['langs']})")
+    return IndexedDataset(split_prefix(out_dir, split, lang))
+
+
+__all__ = ["prepare", "load_meta", "load_tokenizer", "load_split", "split_prefix", "META_FILE"]

@@ -1,0 +1,190 @@
+"""SentencePiece BPE tokenizer with nmtflow's fixed special ids (PAD=0, UNK=1, BOS=2, EOS=3)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+from .corpus import CorpusError
+from .vocab import BOS, BOS_PIECE, EOS, EOS_PIECE, PAD, PAD_PIECE, UNK, UNK_PIECE
+
+
+def _default_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class Tokenizer:
+    """A loaded SentencePiece model.
+
+    ``encode`` returns plain subword ids (no BOS/EOS: batching adds those); ``decode`` stops at
+    the first EOS and skips PAD/BOS, so it accepts raw model output.
+    """
+
+    def __init__(self, model_path: str | Path, *, num_threads: int | None = None) -> None:
+        self.path = Path(model_path)
+        self.num_threads = num_threads or _default_threads()
+        if not self.path.is_file():
+            raise CorpusError(self.path, "SentencePiece model not found")
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.Load(model_file=str(self.path))
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CorpusError(self.path, f"cannot load SentencePiece model ({e})") from None
+        got = (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id())
+        if got != (PAD, UNK, BOS, EOS):
+            raise CorpusError(
+                self.path,
+                f"special ids are (pad, unk, bos, eos)={got}, expected {(PAD, UNK, BOS, EOS)}; "
+                "train the model with Tokenizer.train",
+            )
+        self._sp = sp
+        self._size = int(sp.GetPieceSize())
+
+    # -- training -----------------------------------------------------------------------------
+    @classmethod
+    def train(
+        cls,
+        text_files: Sequence[str | Path],
+        model_prefix: str | Path,
+        vocab_size: int,
+        user_symbols: Sequence[str] = (),
+        max_sentences: int = 2_000_000,
+        num_threads: int = 2,
+        seed: int = 1,
+    ) -> "Tokenizer":
+        """Train a BPE model on ``text_files`` and write ``MODEL_PREFIX.model``/``.vocab``.
+
+        Uses ``character_coverage=1.0`` and, for inputs longer than ``max_sentences`` lines, a
+        seeded random sample of that many sentences. ``user_symbols`` (e.g. language tags) become
+        single pieces that are never split. If ``vocab_size`` exceeds what the data can provide,
+        training is retried once with ``hard_vocab_limit=False``: the model then has fewer pieces
+        than requested; check :attr:`vocab_size`. The files are written atomically.
+        """
+        files = [Path(f) for f in text_files]
+        if not files:
+            raise ValueError("Tokenizer.train needs at least one text file")
+        for f in files:
+            if not f.is_file():
+                raise CorpusError(f, "file not found")
+        if vocab_size < 4 + len(user_symbols):
+            raise ValueError(f"vocab_size={vocab_size} is too small for the special and user symbols")
+        for s in user_symbols:
+            if not s or any(c.isspace() for c in s):
+                raise ValueError(f"invalid user symbol {s!r}")
+        if len(set(user_symbols)) != len(user_symbols):
+            raise ValueError(f"duplicate user symbols: {list(user_symbols)}")
+        model_prefix = Path(model_prefix)
+        model_prefix.parent.mkdir(parents=True, exist_ok=True)
+        tmp_prefix = model_prefix.with_name(f".{model_prefix.name}.tmp{os.getpid()}")
+        opts: dict[str, Any] = dict(
+            input=[str(f) for f in files],
+            model_prefix=str(tmp_prefix),
+            vocab_size=int(vocab_size),
+            model_type="bpe",
+            character_coverage=1.0,
+            pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+            pad_piece=PAD_PIECE, unk_piece=UNK_PIECE, bos_piece=BOS_PIECE, eos_piece=EOS_PIECE,
+            input_sentence_size=int(max_sentences),
+            shuffle_input_sentence=True,
+            num_threads=int(num_threads),
+            minloglevel=2,  # silence SentencePiece's INFO/WARNING logging
+        )
+        if user_symbols:
+            opts["user_defined_symbols"] = list(user_symbols)
+        spm.set_random_generator_seed(int(seed))
+        try:
+            try:
+                spm.SentencePieceTrainer.Train(**opts)
+            except RuntimeError as e:
+                if "Vocabulary size too high" not in str(e):
+                    raise
+                spm.set_random_generator_seed(int(seed))
+                spm.SentencePieceTrainer.Train(hard_vocab_limit=False, **opts)
+        except RuntimeError as e:
+            for ext in (".model", ".vocab"):
+                Path(f"{tmp_prefix}{ext}").unlink(missing_ok=True)
+            names = ", ".join(str(f) for f in files)
+            raise ValueError(f"SentencePiece training on {names} failed: {e}") from None
+        for ext in (".vocab", ".model"):
+            os.replace(f"{tmp_prefix}{ext}", f"{model_prefix}{ext}")
+        return cls(f"{model_prefix}.model", num_threads=num_threads)
+
+    # -- encoding -----------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of pieces, special ids included."""
+        return self._size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def encode(self, text: str) -> list[int]:
+        """Subword ids of ``text`` (no BOS/EOS)."""
+        return self._sp.Encode(text, out_type=int)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many strings at once with SentencePiece's multithreaded C++ batch encoder."""
+        if not isinstance(texts, list):
+            texts = list(texts)
+        if not texts:
+            return []
+        return self._sp.Encode(texts, out_type=int, num_threads=self.num_threads)
+
+    def _clean_ids(self, ids: Any) -> list[int]:
+        if hasattr(ids, "detach"):  # torch tensor, possibly on an accelerator
+            ids = ids.detach().cpu().numpy()
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        eos = np.flatnonzero(arr == EOS)
+        if eos.size:
+            arr = arr[: eos[0]]
+        arr = arr[(arr != PAD) & (arr != BOS)]
+        if arr.size and (arr.min() < 0 or arr.max() >= self._size):
+            bad = int(arr[(arr < 0) | (arr >= self._size)][0])
+            raise ValueError(f"{self.path}: id {bad} is outside the vocabulary (size {self._size})")
+        return arr.tolist()
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Text of ``ids``: stops at the first EOS, skips PAD and BOS."""
+        return self._sp.Decode(self._clean_ids(ids))
+
+    def decode_batch(self, batch: Sequence[Sequence[int]]) -> list[str]:
+        """:meth:`decode` for many sequences (rows of a 2-D array work too)."""
+        cleaned = [self._clean_ids(ids) for ids in batch]
+        if not cleaned:
+            return []
+        return self._sp.Decode(cleaned, num_threads=self.num_threads)
+
+    # -- pieces -------------------------------------------------------------------------------
+    def piece(self, i: int) -> str:
+        """The piece string of id ``i``."""
+        i = int(i)
+        if not 0 <= i < self._size:
+            raise IndexError(f"id {i} is outside the vocabulary (size {self._size})")
+        return self._sp.IdToPiece(i)
+
+    def id(self, piece: str) -> int:
+        """The id of ``piece``; raises ``KeyError`` for a piece that is not in the vocabulary."""
+        i = int(self._sp.PieceToId(piece))
+        if i == UNK and piece != UNK_PIECE:
+            raise KeyError(f"{piece!r} is not in the vocabulary of {self.path}")
+        return i
+
+    def __contains__(self, piece: str) -> bool:
+        return int(self._sp.PieceToId(piece)) != UNK or piece == UNK_PIECE
+
+    # -- pickling (e.g. for data-loader worker processes) ----------------------------------------
+    def __getstate__(self) -> dict:
+        return {"path": str(self.path), "num_threads": self.num_threads}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], num_threads=state["num_threads"])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self._size})"
+
+
+__all__ = ["Tokenizer"]

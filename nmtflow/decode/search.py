@@ -1,0 +1,157 @@
+"""Batched beam search and greedy search over the incremental-state contract of
+:class:`nmtflow.models.base.EncoderDecoder` — written once for every architecture.
+
+Scores are length-normalised with the GNMT penalty (Wu et al. 2016, Eq. 14):
+``s(Y) = log P(Y|X) / lp(Y)``, ``lp(Y) = ((5 + |Y|) / 6) ** alpha``, |Y| counting the final EOS.
+Finished sentences are pruned from the batch, so a batch costs what its longest *unfinished* output costs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nmtflow.data.vocab import BOS, EOS, PAD
+from nmtflow.models.base import EncoderDecoder, EncoderOut, State, reorder
+
+STATIC_MARK = ".static_"  # state entries identical across a sentence's beams (e.g. projected encoder keys)
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # output ids, without BOS and EOS
+    score: float  # length-normalised log-probability
+    logprob: float  # log P(Y|X), EOS included
+
+
+def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
+    """GNMT lp(Y) = ((5 + |Y|) / 6) ** alpha."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_output_lengths(src: Tensor, a: float, b: int, limit: int) -> Tensor:
+    """Per-sentence output limit ``a·|x| + b`` (EOS excluded), capped at ``limit``."""
+    src_len = src.ne(PAD).sum(1)
+    return (src_len.float() * a + b).long().clamp(min=1, max=limit)
+
+
+def _reorder_state(state: State, rows: Tensor, sentences_changed: bool) -> State:
+    """Reorder caches by beam rows; per-sentence static entries only when sentences were pruned."""
+    return {k: (v.index_select(0, rows) if sentences_changed or STATIC_MARK not in k else v)
+            for k, v in state.items()}
+
+
+def _decoder_limit(model: EncoderDecoder) -> int:
+    return int(getattr(model.config, "max_positions", 1024)) - 2
+
+
+@torch.no_grad()
+def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_penalty: float = 0.6,
+                max_len_a: float = 1.5, max_len_b: int = 10, nbest: int = 1, min_len: int = 0,
+                enc: EncoderOut | None = None) -> list[list[Hypothesis]]:
+    """src (B,S) → for each sentence its ``nbest`` hypotheses, best first.
+
+    A sentence finishes once ``beam_size`` hypotheses have ended in EOS (the search then stops for it);
+    at its length limit every live hypothesis is forced to end.
+    """
+    if beam_size < 1 or not 1 <= nbest <= beam_size:
+        raise ValueError(f"need 1 <= nbest ({nbest}) <= beam_size ({beam_size})")
+    n, k, device = src.size(0), beam_size, src.device
+    enc = model.encode(src) if enc is None else enc
+    max_lens = max_output_lengths(src, max_len_a, max_len_b, _decoder_limit(model))
+    beam_rows = torch.arange(n, device=device).repeat_interleave(k)
+    enc = reorder(enc, beam_rows)
+    state: State = {}
+    tokens = torch.full((n * k, 1), BOS, dtype=torch.long, device=device)  # (n·K, t)
+    scores = torch.zeros(n, k, device=device)
+    scores[:, 1:] = float("-inf")  # all beams start identical: keep one
+    sentence_ids = torch.arange(n, device=device)
+    finished: list[list[Hypothesis]] = [[] for _ in range(n)]
+    for step in range(int(max_lens.max()) + 1):
+        logits = model.decode(tokens[:, -1:], enc, state)[:, -1]
+        lprobs = F.log_softmax(logits.float(), dim=-1)  # (n·K, V)
+        vocab = lprobs.size(-1)
+        lprobs[:, PAD] = float("-inf")
+        lprobs[:, BOS] = float("-inf")
+        if step < min_len:
+            lprobs[:, EOS] = float("-inf")
+        at_limit = (max_lens <= step).repeat_interleave(k)  # (n·K,)
+        if at_limit.any():
+            eos_only = torch.full_like(lprobs[0], float("-inf"))
+            eos_only[EOS] = 0.0
+            lprobs[at_limit] = eos_only + lprobs[at_limit][:, EOS:EOS + 1]
+        cand = (scores.view(-1, 1) + lprobs).view(-1, k * vocab)  # (n, K·V)
+        top_scores, top_idx = cand.topk(2 * k, dim=1)  # (n, 2K)
+        top_beam, top_tok = top_idx // vocab, top_idx % vocab
+        is_eos = top_tok.eq(EOS) & top_scores.ne(float("-inf"))
+        ended = is_eos[:, :k].nonzero().tolist()  # EOS within the K best candidates
+        if ended:
+            prefix = tokens[:, 1:].tolist()
+            for i, r in ended:
+                seq = prefix[i * k + int(top_beam[i, r])]
+                raw = float(top_scores[i, r])
+                finished[int(sentence_ids[i])].append(
+                    Hypothesis(seq, raw / length_penalty(len(seq) + 1, len_penalty), raw))
+        live_scores, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(k, dim=1)  # (n, K)
+        done = torch.tensor([len(finished[int(s)]) >= k for s in sentence_ids], device=device)
+        done |= max_lens <= step
+        if bool(done.all()):
+            break
+        keep = (~done).nonzero().squeeze(1)
+        beams = top_beam.gather(1, pick)[keep]  # (n', K)
+        rows = (keep[:, None] * k + beams).view(-1)
+        pruned = keep.numel() != n
+        tokens = torch.cat([tokens.index_select(0, rows), top_tok.gather(1, pick)[keep].view(-1, 1)], dim=1)
+        state = _reorder_state(state, rows, pruned)
+        if pruned:
+            enc = reorder(enc, (keep[:, None] * k + torch.arange(k, device=device)).view(-1))
+            sentence_ids, max_lens = sentence_ids[keep], max_lens[keep]
+        scores = live_scores[keep]
+        n = keep.numel()
+    return [sorted(h, key=lambda h: -h.score)[:nbest] for h in finished]
+
+
+@torch.no_grad()
+def greedy_search(model: EncoderDecoder, src: Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10,
+                  min_len: int = 0) -> list[Hypothesis]:
+    """Arg-max decoding with the same length limits as :func:`beam_search` (beam 1 gives the same output)."""
+    n, device = src.size(0), src.device
+    enc = model.encode(src)
+    max_lens = max_output_lengths(src, max_len_a, max_len_b, _decoder_limit(model))
+    state: State = {}
+    last = torch.full((n, 1), BOS, dtype=torch.long, device=device)
+    alive = torch.arange(n, device=device)
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    logprob = [0.0] * n
+    for step in range(int(max_lens.max()) + 1):
+        lprobs = F.log_softmax(model.decode(last, enc, state)[:, -1].float(), dim=-1)
+        lprobs[:, PAD] = float("-inf")
+        lprobs[:, BOS] = float("-inf")
+        if step < min_len:
+            lprobs[:, EOS] = float("-inf")
+        best_lp, best = lprobs.max(-1)
+        best = torch.where(max_lens[alive] <= step, torch.full_like(best, EOS), best)
+        best_lp = torch.where(best.eq(EOS), lprobs[:, EOS], best_lp)
+        for i, (tok, lp) in enumerate(zip(best.tolist(), best_lp.tolist())):
+            sid = int(alive[i])
+            logprob[sid] += lp
+            if tok != EOS:
+                outputs[sid].append(tok)
+        keep = best.ne(EOS).nonzero().squeeze(1)
+        if keep.numel() == 0:
+            break
+        if keep.numel() != alive.numel():
+            enc, state = reorder(enc, keep), reorder(state, keep)
+            alive = alive[keep]
+        last = best[keep].view(-1, 1)
+    return [Hypothesis(o, lp, lp) for o, lp in zip(outputs, logprob)]
+
+
+@torch.no_grad()
+def sequence_logprobs(model: EncoderDecoder, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
+    """log P(y|x) = Σ_t log p(y_t | y_<t, x) per sentence (B,), EOS included, padding excluded."""
+    lprobs = F.log_softmax(model(src, tgt_in).float(), dim=-1)  # (B,T,V)
+    token_lp = lprobs.gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1)
+    return token_lp.masked_fill(tgt_out.eq(PAD), 0.0).sum(1)

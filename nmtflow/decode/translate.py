@@ -1,0 +1,140 @@
+"""Text in, text out: tokenise, batch by length, search, detokenise — for files, stdin and validation."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from nmtflow.config import Config, DecodeConfig, config_from_dict
+from nmtflow.data.batching import collate
+from nmtflow.data.tokenizer import Tokenizer
+from nmtflow.decode.search import Hypothesis, beam_search, greedy_search, sequence_logprobs
+from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model
+from nmtflow.train.checkpoint import CheckpointError, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def tokenizer_from_bytes(data: bytes) -> Tokenizer:
+    """A Tokenizer from a serialized SentencePiece model (as stored inside checkpoints)."""
+    digest = hashlib.sha1(data).hexdigest()[:16]
+    path = Path(tempfile.gettempdir()) / f"nmtflow-spm-{digest}.model"
+    if not path.is_file() or path.stat().st_size != len(data):
+        tmp = path.with_suffix(f".{np.random.randint(1 << 30)}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return Tokenizer(path)
+
+
+def bytes_tensor(path: str | Path) -> torch.Tensor:
+    """A file's bytes as a uint8 tensor (safe to store under ``weights_only=True``)."""
+    return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).clone()
+
+
+def batches_by_length(lengths: list[int], max_tokens: int) -> Iterator[list[int]]:
+    """Indices sorted by length, cut so that (longest + 2) · rows ≤ max_tokens (at least one row)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batch: list[int] = []
+    for i in order:
+        if batch and (lengths[i] + 2) * (len(batch) + 1) > max_tokens:
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
+
+
+@dataclass
+class Translator:
+    """A model with its tokenizers and search settings."""
+
+    model: EncoderDecoder
+    src_tokenizer: Tokenizer
+    tgt_tokenizer: Tokenizer
+    decode: DecodeConfig
+    config: Config | None = None
+    src_prefix: int | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu",
+                        decode: DecodeConfig | None = None) -> "Translator":
+        ckpt = load_checkpoint(path)
+        try:
+            config = config_from_dict(ckpt["config"])
+            vocab = Vocabularies(**ckpt["vocab"])
+            model = build_model(config.model, vocab)
+            model.load_state_dict(ckpt["model"])
+            src_tok = tokenizer_from_bytes(ckpt["tokenizers"]["src"].numpy().tobytes())
+            tgt_tok = tokenizer_from_bytes(ckpt["tokenizers"]["tgt"].numpy().tobytes())
+        except (KeyError, RuntimeError, TypeError) as exc:
+            raise CheckpointError(f"{path}: checkpoint does not match its model ({str(exc).splitlines()[0][:200]})") from None
+        model.to(device).eval()
+        return cls(model, src_tok, tgt_tok, decode or config.decode, config)
+
+    def encode_source(self, lines: list[str]) -> list[list[int]]:
+        ids = self.src_tokenizer.encode_batch(lines)
+        limit = self.decode.max_input_tokens
+        for n, seq in enumerate(ids):
+            if len(seq) > limit:
+                log.warning("input line %d has %d tokens; truncated to %d", n + 1, len(seq), limit)
+                ids[n] = seq[:limit]
+        return ids
+
+    def search(self, src: torch.Tensor) -> list[list[Hypothesis]]:
+        d = self.decode
+        if d.greedy or (d.beam_size == 1 and d.nbest == 1):
+            return [[h] for h in greedy_search(self.model, src, max_len_a=d.max_len_a, max_len_b=d.max_len_b)]
+        return beam_search(self.model, src, beam_size=d.beam_size, len_penalty=d.len_penalty,
+                           max_len_a=d.max_len_a, max_len_b=d.max_len_b, nbest=d.nbest)
+
+    @torch.no_grad()
+    def translate_ids(self, sources: list[list[int]]) -> list[list[Hypothesis]]:
+        """Id sequences (no EOS) → n-best hypotheses, in input order; empty inputs give empty outputs."""
+        results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in sources]
+        nonempty = [i for i, s in enumerate(sources) if s]
+        lengths = [len(sources[i]) for i in nonempty]
+        for batch in batches_by_length(lengths, self.decode.max_tokens):
+            rows = [nonempty[b] for b in batch]
+            src = collate([sources[r] for r in rows], [[]] * len(rows), src_prefix=self.src_prefix).src
+            for r, hyps in zip(rows, self.search(src.to(self.device))):
+                results[r] = hyps
+        return results
+
+    def translate(self, lines: list[str]) -> list[list[tuple[str, float]]]:
+        """Sentences → n-best (detokenised text, score) lists, in input order."""
+        hyps = self.translate_ids(self.encode_source(lines))
+        return [[(self.tgt_tokenizer.decode(h.tokens), h.score) for h in nbest] for nbest in hyps]
+
+    def translate_stream(self, lines: Iterable[str], chunk: int = 1000) -> Iterator[list[tuple[str, float]]]:
+        """Translate an iterable chunk by chunk (``chunk=1`` answers each line as it arrives)."""
+        buf: list[str] = []
+        for line in lines:
+            buf.append(line.rstrip("\r\n"))
+            if len(buf) >= chunk:
+                yield from self.translate(buf)
+                buf = []
+        if buf:
+            yield from self.translate(buf)
+
+    @torch.no_grad()
+    def score(self, sources: list[str], targets: list[str]) -> list[float]:
+        """log P(target | source) per pair (natural log, EOS included)."""
+        src_ids, tgt_ids = self.encode_source(sources), self.tgt_tokenizer.encode_batch(targets)
+        out = [0.0] * len(sources)
+        lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]
+        for batch in batches_by_length(lengths, self.decode.max_tokens):
+            b = collate([src_ids[i] for i in batch], [tgt_ids[i] for i in batch], src_prefix=self.src_prefix)
+            b = b.to(self.device)
+            for i, lp in zip(batch, sequence_logprobs(self.model, b.src, b.tgt_in, b.tgt_out).tolist()):
+                out[i] = lp
+        return out

@@ -1,0 +1,161 @@
+"""The attention interface and standard multi-head attention (Vaswani et al. 2017, Eq. 1-2).
+
+Every attention variant (lexical-shortcut gating, phrasal n-gram attention, the bridge's inner attention)
+is a sibling of :class:`MultiHeadAttention` registered by name. A variant overrides one seam:
+
+* :meth:`MultiHeadAttention.project_kv` — how keys/values are computed from the source (and ``ctx``);
+* :meth:`MultiHeadAttention.attend` — how queries, keys and values are combined.
+
+Shapes: ``B`` batch, ``T`` query length, ``S`` key length, ``H`` heads, ``Dh`` head size, ``D = H·Dh``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from nmtflow.config import ConfigError
+from nmtflow.registry import ATTENTIONS, register_attention
+
+
+@dataclass
+class AttentionConfig:
+    """``{type: NAME, ...options}``; ``type`` selects the registered variant and its options class."""
+
+    type: str = "standard"
+
+    @classmethod
+    def resolve(cls, data: dict[str, Any], where: str) -> tuple[type, dict[str, Any]]:
+        name = data.get("type", "standard")
+        try:
+            return ATTENTIONS.get(name).config_cls, data
+        except KeyError as exc:
+            raise ConfigError(f"{where}.type: {exc.args[0]}") from None
+
+
+@dataclass
+class AttentionContext:
+    """What an attention variant may need beyond its query and key/value source.
+
+    ``embeddings``: the input of layer 1 of the stack that owns the keys (E in Emelin et al. 2019);
+    ``layer_inputs``: the inputs H_0 … H_{l-1} of the layers below (for non-lexical shortcuts);
+    ``layer``: 0-based index of the current layer; ``need_weights``: return attention weights.
+    """
+
+    embeddings: Tensor | None = None
+    layer_inputs: list[Tensor] = field(default_factory=list)
+    layer: int = 0
+    need_weights: bool = False
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """(B,S,D) → (B,H,S,Dh)."""
+    b, s, d = x.shape
+    return x.view(b, s, heads, d // heads).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B,H,T,Dh) → (B,T,D)."""
+    b, h, t, dh = x.shape
+    return x.transpose(1, 2).reshape(b, t, h * dh)
+
+
+@register_attention("standard", AttentionConfig)
+class MultiHeadAttention(nn.Module):
+    """softmax(Q Kᵀ / √Dh) V over H heads, through ``scaled_dot_product_attention``.
+
+    Projections have no bias (tensor2tensor convention, SPEC §1). ``self_attention`` layers cache their
+    keys/values per decoding step in ``state[name + ".k"/".v"]`` (B,H,S,Dh); cross-attention caches the
+    projected encoder keys/values once (``.static_k/.static_v``).
+    """
+
+    def __init__(self, d_model: int, heads: int, *, dropout: float = 0.0, self_attention: bool = True,
+                 name: str = "attn", options: AttentionConfig | None = None) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model={d_model} is not divisible by heads={heads}")
+        self.d_model, self.heads, self.head_dim = d_model, heads, d_model // heads
+        self.dropout = dropout
+        self.self_attention = self_attention
+        self.name = name
+        self.options = options or AttentionConfig()
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model, bias=False)
+        self.out_proj = nn.Linear(d_model, d_model, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
+        nn.init.xavier_uniform_(self.out_proj.weight)
+
+    # ---- seams -------------------------------------------------------------------------------------
+    def project_kv(self, source: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+        """source (B,S,D) → keys, values (B,H,S,Dh)."""
+        return split_heads(self.k_proj(source), self.heads), split_heads(self.v_proj(source), self.heads)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
+               ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
+        """q (B,H,T,Dh), k/v (B,H,S,Dh), mask broadcastable to (B,H,T,S) with True = may attend."""
+        p = self.dropout if self.training else 0.0
+        if not ctx.need_weights:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                 is_causal=causal and mask is None)
+            return out, None
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B,H,T,S)
+        if causal:
+            t, s = scores.shape[-2:]
+            future = torch.ones(t, s, dtype=torch.bool, device=q.device).triu(s - t + 1)
+            scores = scores.masked_fill(future, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(-1)
+        return F.dropout(weights, p) @ v, weights
+
+    # ---- the interface -----------------------------------------------------------------------------
+    def forward(self, query: Tensor, source: Tensor, *, key_padding_mask: Tensor | None = None,
+                causal: bool = False, state: dict[str, Tensor] | None = None,
+                ctx: AttentionContext | None = None) -> tuple[Tensor, Tensor | None]:
+        """query (B,T,D), source (B,S,D), key_padding_mask (B,S) True = pad → (B,T,D), weights (B,H,T,S)."""
+        ctx = ctx or AttentionContext()
+        q = split_heads(self.q_proj(query), self.heads)
+        k, v = self._keys_values(source, state, ctx)
+        mask = None
+        if key_padding_mask is not None:
+            mask = ~key_padding_mask[:, None, None, :]  # (B,1,1,S) True = attend
+        if causal and state is not None and k.size(2) != q.size(2):
+            # new queries after a cached prefix: position i sees keys up to prefix + i
+            t, s = q.size(2), k.size(2)
+            allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+            mask = allowed if mask is None else mask & allowed
+            causal = False
+        out, weights = self.attend(q, k, v, mask, causal, ctx)
+        return self.out_proj(merge_heads(out)), weights
+
+    def _keys_values(self, source: Tensor, state: dict[str, Tensor] | None,
+                     ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+        if state is None:
+            return self.project_kv(source, ctx)
+        if not self.self_attention:
+            key = self.name + ".static_k"
+            if key not in state:
+                state[key], state[self.name + ".static_v"] = self.project_kv(source, ctx)
+            return state[key], state[self.name + ".static_v"]
+        k, v = self.project_kv(source, ctx)
+        if self.name + ".k" in state:
+            k = torch.cat([state[self.name + ".k"], k], dim=2)
+            v = torch.cat([state[self.name + ".v"], v], dim=2)
+        state[self.name + ".k"], state[self.name + ".v"] = k, v
+        return k, v
+
+
+def build_attention(options: AttentionConfig, d_model: int, heads: int, *, dropout: float,
+                    self_attention: bool, name: str) -> MultiHeadAttention:
+    """Instantiate the registered attention variant named by ``options.type``."""
+    cls = ATTENTIONS.get(options.type).cls
+    return cls(d_model, heads, dropout=dropout, self_attention=self_attention, name=name, options=options)

@@ -1,0 +1,348 @@
+"""The training loop: token batches, accumulation, validation (loss + BLEU), checkpoints, exact resume.
+
+Exact resume: a checkpoint holds the model, optimiser, scheduler, torch RNG state and the data position
+(epoch, index of the next batch in that epoch's deterministic batch order), so an interrupted run that
+resumes reproduces the uninterrupted run's losses bit for bit on CPU.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from nmtflow.config import Config, to_dict
+from nmtflow.data.batching import Batch, TokenBatchSampler
+from nmtflow.data.bitext import Bitext, open_bitext, tokenizer_path
+from nmtflow.data.prepare import load_meta
+from nmtflow.data.tokenizer import Tokenizer
+from nmtflow.decode.translate import Translator, bytes_tensor
+from nmtflow.evaluate.metrics import bleu
+from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
+from nmtflow.train.checkpoint import FORMAT, load_checkpoint, periodic_checkpoints, save_atomic
+from nmtflow.train.loss import label_smoothed_nll
+from nmtflow.train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("nmtflow.train")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class Progress:
+    """Where training stands; saved in every checkpoint."""
+
+    update: int = 0
+    epoch: int = 1
+    position: int = 0  # index of the next batch in this epoch's batch list
+    best: float | None = None  # best validation metric so far
+    bad_validations: int = 0
+    elapsed: float = 0.0  # training seconds, summed over resumed runs
+    stopped: str = ""  # why training ended, once it has
+
+
+@dataclass
+class TrainResult:
+    progress: Progress
+    save_dir: Path
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Trainer:
+    """Trains ``config.model`` on ``config.data`` according to ``config.train``.
+
+    Everything written goes to ``train.save_dir``: ``checkpoint_last.pt``, ``checkpoint_best.pt``,
+    ``checkpoint_UPDATE.pt``, ``log.jsonl`` (one JSON line per logged event), ``config.yaml`` and
+    TensorBoard scalars under ``tensorboard/``.
+    """
+
+    def __init__(self, config: Config, *, resume: bool = True) -> None:
+        self.config = config
+        tc, dc = config.train, config.data
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        self.device = resolve_device(tc.device)
+        self.save_dir = Path(tc.save_dir)
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(tc.seed)
+
+        meta = load_meta(dc.path)
+        self.src_tok = Tokenizer(tokenizer_path(dc.path, meta, dc.src_lang))
+        self.tgt_tok = Tokenizer(tokenizer_path(dc.path, meta, dc.tgt_lang))
+        self.vocabs = Vocabularies(self.src_tok.vocab_size, self.tgt_tok.vocab_size,
+                                   joint=self.src_tok.path == self.tgt_tok.path)
+        self.train_data = open_bitext(dc.path, dc.train_split, dc.src_lang, dc.tgt_lang)
+        self.valid_data = open_bitext(dc.path, dc.valid_split, dc.src_lang, dc.tgt_lang) if dc.valid_split else None
+        self.sampler = TokenBatchSampler(self.train_data.src.sizes, self.train_data.tgt.sizes, dc.max_tokens,
+                                         shuffle=True, seed=tc.seed, max_sentences=dc.max_sentences)
+
+        self.model: EncoderDecoder = build_model(config.model, self.vocabs).to(self.device)
+        self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], tc)
+        self.scheduler = build_scheduler(self.optimizer, tc)
+        self.progress = Progress()
+        self.writer = None
+        last = self.save_dir / "checkpoint_last.pt"
+        if resume and last.is_file():
+            self.load_state(load_checkpoint(last, self.device))
+            log.info("resumed from %s at update %d (epoch %d, batch %d)", last, self.progress.update,
+                     self.progress.epoch, self.progress.position)
+        else:
+            (self.save_dir / "log.jsonl").unlink(missing_ok=True)
+        (self.save_dir / "config.yaml").write_text(_yaml(to_dict(config)), encoding="utf-8")
+
+    # ---- state ------------------------------------------------------------------------------------
+    def checkpoint(self, with_training_state: bool = True) -> dict[str, Any]:
+        ckpt: dict[str, Any] = {
+            "format": FORMAT,
+            "config": to_dict(self.config),
+            "model": self.model.state_dict(),
+            "vocab": {"src_size": self.vocabs.src_size, "tgt_size": self.vocabs.tgt_size, "joint": self.vocabs.joint},
+            "langs": {"src": self.config.data.src_lang, "tgt": self.config.data.tgt_lang},
+            "tokenizers": {"src": bytes_tensor(self.src_tok.path), "tgt": bytes_tensor(self.tgt_tok.path)},
+            "progress": vars(self.progress).copy(),
+        }
+        if with_training_state:
+            ckpt["optimizer"] = self.optimizer.state_dict()
+            ckpt["scheduler"] = self.scheduler.state_dict()
+            ckpt["rng"] = {"torch": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                ckpt["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+        return ckpt
+
+    def load_state(self, ckpt: dict[str, Any]) -> None:
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        torch.set_rng_state(ckpt["rng"]["torch"].cpu())
+        if "cuda" in ckpt["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        self.progress = Progress(**{**ckpt["progress"], "stopped": ""})  # a new budget may continue it
+        # drop log lines written after this checkpoint by the interrupted run
+        log_file = self.save_dir / "log.jsonl"
+        if log_file.is_file():
+            kept = [ln for ln in log_file.read_text(encoding="utf-8").splitlines()
+                    if ln and json.loads(ln).get("update", 0) <= self.progress.update]
+            log_file.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+
+    def save(self, best: bool = False) -> None:
+        ckpt = self.checkpoint()
+        tc = self.config.train
+        save_atomic(ckpt, self.save_dir / "checkpoint_last.pt")
+        if tc.save_every and self.progress.update % tc.save_every == 0:
+            save_atomic(ckpt, self.save_dir / f"checkpoint_{self.progress.update}.pt")
+            for old in periodic_checkpoints(self.save_dir)[:-tc.keep_checkpoints or None]:
+                old.unlink(missing_ok=True)
+        if best:
+            save_atomic(ckpt, self.save_dir / "checkpoint_best.pt")
+
+    # ---- logging ----------------------------------------------------------------------------------
+    def record(self, kind: str, values: dict[str, float]) -> None:
+        entry = {"kind": kind, "update": self.progress.update, **values}
+        with open(self.save_dir / "log.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")
+        if self.writer is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(self.save_dir / "tensorboard"))
+            except ImportError:  # tensorboard is optional at run time
+                self.writer = False
+        if self.writer:
+            for k, v in values.items():
+                self.writer.add_scalar(f"{kind}/{k}", v, self.progress.update)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def epoch_batches(self, epoch: int) -> list[np.ndarray]:
+        """This epoch's deterministic batch order (computed once per epoch)."""
+        if getattr(self, "_epoch_cache", (None,))[0] != epoch:
+            self._epoch_cache = (epoch, self.sampler.batches(epoch))
+        return self._epoch_cache[1]
+
+    def batches(self) -> Iterator[tuple[int, int, Batch]]:
+        """Training batches from the saved position on: (epoch, position after this batch, batch)."""
+        epoch, start = self.progress.epoch, self.progress.position
+        while True:
+            order = self.epoch_batches(epoch)
+            for pos in range(start, len(order)):
+                yield epoch, pos + 1, self.train_data.batch(order[pos])
+            epoch, start = epoch + 1, 0
+
+    def train_step(self, batches: list[Batch]) -> dict[str, float]:
+        """One update from ``batches`` (gradient accumulation): loss normalised by all their target tokens."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = sum(b.num_tgt_tokens for b in batches)
+        loss_sum = nll_sum = 0.0
+        for b in batches:
+            b = b.to(self.device)
+            enc = self.model.encode(b.src)
+            logits = self.model.decode(b.tgt_in, enc)
+            loss, nll = label_smoothed_nll(logits, b.tgt_out, self.config.train.label_smoothing)
+            total = loss / tokens
+            aux = self.model.auxiliary_loss(enc)
+            if aux is not None:
+                total = total + aux / len(batches)
+            total.backward()
+            loss_sum += float(loss.detach())
+            nll_sum += float(nll)
+        clip = self.config.train.clip_norm
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "tokens": tokens, "gnorm": float(gnorm),
+                "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def train(self) -> TrainResult:
+        tc = self.config.train
+        p = self.progress
+        log.info("model %s: %s parameters; %d training pairs, %d batches per epoch", self.config.model.name,
+                 f"{count_parameters(self.model):,}", len(self.train_data), len(self.epoch_batches(p.epoch)))
+        bar = tqdm(total=tc.max_updates, initial=p.update, disable=not tc.progress or None,
+                   desc="train", unit="upd", dynamic_ncols=True)
+        start = time.perf_counter() - p.elapsed
+        window_tokens, window_start = 0, time.perf_counter()
+        stream = self.batches()
+        with _graceful_interrupt() as interrupted:
+            while not p.stopped:
+                if p.update >= tc.max_updates:
+                    p.stopped = f"reached max_updates={tc.max_updates}"
+                    break
+                group = [next(stream) for _ in range(tc.update_freq)]
+                stats = self.train_step([b for _, _, b in group])
+                p.epoch, p.position = group[-1][0], group[-1][1]
+                if p.position == len(self.epoch_batches(p.epoch)):
+                    p.epoch, p.position = p.epoch + 1, 0
+                p.update += 1
+                p.elapsed = time.perf_counter() - start
+                if not math.isfinite(stats["loss"]):
+                    raise FloatingPointError(f"non-finite training loss at update {p.update}")
+                window_tokens += stats["tokens"]
+                if p.update % tc.log_every == 0:
+                    self.record("train", {k: stats[k] for k in ("loss", "nll", "lr", "gnorm")})
+                    speed = window_tokens / max(time.perf_counter() - window_start, 1e-9)
+                    window_tokens, window_start = 0, time.perf_counter()
+                    self.record("speed", {"tgt_tokens_per_s": speed})
+                    log.info("update %d | epoch %d | loss %.3f | ppl %.2f | lr %.2e | %.0f tok/s", p.update,
+                             p.epoch, stats["loss"], math.exp(min(stats["nll"], 50)), stats["lr"], speed)
+                bar.update(1)
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", epoch=p.epoch, refresh=False)
+                if tc.max_epochs is not None and p.epoch > tc.max_epochs:
+                    p.stopped = f"reached max_epochs={tc.max_epochs}"
+                if tc.max_minutes is not None and p.elapsed >= 60 * tc.max_minutes:
+                    p.stopped = f"reached max_minutes={tc.max_minutes}"
+                if p.update >= tc.max_updates:
+                    p.stopped = f"reached max_updates={tc.max_updates}"
+                if interrupted():
+                    p.stopped = "interrupted (resume with the same command)"
+                due_valid = tc.validate_every and p.update % tc.validate_every == 0
+                is_best = False
+                if self.valid_data is not None and (due_valid or (p.stopped and not interrupted())):
+                    is_best = self.validate()
+                if is_best or p.stopped or (tc.save_every and p.update % tc.save_every == 0):
+                    self.save(best=is_best)
+        bar.close()
+        if self.writer:
+            self.writer.flush()
+        log.info("training stopped: %s (update %d, %.1f min)", p.stopped, p.update, p.elapsed / 60)
+        return TrainResult(p, self.save_dir, read_log(self.save_dir))
+
+    # ---- validation -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validation_loss(self) -> tuple[float, int]:
+        """Mean NLL per target token on the validation split."""
+        assert self.valid_data is not None
+        self.model.eval()
+        sampler = TokenBatchSampler(self.valid_data.src.sizes, self.valid_data.tgt.sizes,
+                                    self.config.data.max_tokens, shuffle=False)
+        nll_sum, tokens = 0.0, 0
+        for idx in sampler.batches(1):
+            b = self.valid_data.batch(idx).to(self.device)
+            _, nll = label_smoothed_nll(self.model(b.src, b.tgt_in), b.tgt_out, 0.0)
+            nll_sum += float(nll)
+            tokens += b.num_tgt_tokens
+        return nll_sum / max(tokens, 1), tokens
+
+    def validation_bleu(self) -> float:
+        assert self.valid_data is not None
+        tc = self.config.train
+        n = len(self.valid_data) if tc.valid_bleu_max_sentences is None else min(len(self.valid_data),
+                                                                               tc.valid_bleu_max_sentences)
+        decode = type(self.config.decode)(**{**vars(self.config.decode), "beam_size": tc.valid_beam_size,
+                                             "nbest": 1, "greedy": tc.valid_beam_size == 1})
+        self.model.eval()
+        translator = Translator(self.model, self.src_tok, self.tgt_tok, decode)
+        sources = [self.valid_data.src[i].tolist() for i in range(n)]
+        hyps = translator.translate_ids(sources)
+        hyp_text = [self.tgt_tok.decode(h[0].tokens) for h in hyps]
+        refs = [self.tgt_tok.decode(self.valid_data.tgt[i].tolist()) for i in range(n)]
+        return bleu(hyp_text, refs).score
+
+    def validate(self) -> bool:
+        """Validation loss (and BLEU); returns whether this is the best model so far."""
+        tc, p = self.config.train, self.progress
+        nll, _ = self.validation_loss()
+        values = {"nll": nll, "ppl": math.exp(min(nll, 50))}
+        if tc.valid_bleu:
+            values["bleu"] = self.validation_bleu()
+        self.record("valid", values)
+        log.info("validation at update %d: %s", p.update, " | ".join(f"{k} {v:.3f}" for k, v in values.items()))
+        metric = values["bleu"] if tc.early_stop_metric == "bleu" and tc.valid_bleu else -nll
+        improved = p.best is None or metric > p.best
+        if improved:
+            p.best, p.bad_validations = metric, 0
+        else:
+            p.bad_validations += 1
+            if tc.patience is not None and p.bad_validations >= tc.patience:
+                p.stopped = f"early stopping: no improvement in {tc.patience} validations"
+        return improved
+
+
+def read_log(save_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(save_dir) / "log.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln]
+
+
+@contextmanager
+def _graceful_interrupt() -> Iterator[Any]:
+    """SIGINT/SIGTERM set a flag: the loop finishes its update, saves a checkpoint and exits cleanly."""
+    hit = {"flag": False}
+
+    def handler(signum: int, frame: Any) -> None:
+        if hit["flag"]:  # a second signal: stop now
+            raise KeyboardInterrupt
+        hit["flag"] = True
+        log.warning("signal %d received: saving a checkpoint after this update", signum)
+
+    previous = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread
+        previous = {}
+    try:
+        yield lambda: hit["flag"]
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+def _yaml(data: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)

@@ -1,0 +1,56 @@
+"""Shared fixtures: a tiny prepared copy-task corpus (made in a temp dir, never downloaded)."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
+         "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
+
+
+def copy_sentences(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8))) for _ in range(n)]
+
+
+def write_split(prefix: Path, src: list[str], tgt: list[str], langs: tuple[str, str] = ("src", "tgt")) -> None:
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    for lang, lines in zip(langs, (src, tgt)):
+        Path(f"{prefix}.{lang}").write_text("".join(s + "\n" for s in lines), encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def copy_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prepared copy task (source = target), joint vocabulary: the smallest thing a model can learn."""
+    from nmtflow.data.corpus import CleanConfig
+    from nmtflow.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("copy")
+    train, valid = copy_sentences(3000, 1), copy_sentences(100, 2)
+    write_split(root / "raw" / "train", train, train)
+    write_split(root / "raw" / "valid", valid, valid)
+    out = root / "data"
+    prepare({"train": str(root / "raw" / "train"), "valid": str(root / "raw" / "valid")}, ["src", "tgt"], out,
+            vocab_size=60, joint=True, clean=CleanConfig())
+    return out
+
+
+def tiny_config(data: Path, save_dir: Path, **train: object) -> "object":
+    """A 2+2-layer d=64 Transformer config for fast CPU tests."""
+    from nmtflow.config import load_config
+
+    raw = {
+        "model": {"name": "transformer", "d_model": 64, "ffn_dim": 128, "heads": 4, "encoder_layers": 2,
+                  "decoder_layers": 2, "dropout": 0.1},
+        "data": {"path": str(data), "src_lang": "src", "tgt_lang": "tgt", "max_tokens": 600},
+        "train": {"save_dir": str(save_dir), "lr": 3e-3, "warmup_updates": 50, "max_updates": 40,
+                  "validate_every": 20, "save_every": 20, "log_every": 1, "progress": False,
+                  "valid_bleu_max_sentences": 50, **train},
+        "decode": {"beam_size": 4},
+    }
+    return load_config(data=raw)

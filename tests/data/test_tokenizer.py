@@ -1,0 +1,96 @@
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nmtflow.data.corpus import normalize_line
+from nmtflow.data.tokenizer import Tokenizer
+from nmtflow.data.vocab import BOS, EOS, PAD, UNK, lang_tag
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+TEXTS = [FIXTURES / "tiny.en", FIXTURES / "tiny.de"]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spm") / "spm"
+    return Tokenizer.train(TEXTS, out, vocab_size=300, user_symbols=[lang_tag("en"), lang_tag("de")])
+
+
+def fixture_lines():
+    return [normalize_line(l) for p in TEXTS for l in p.read_text(encoding="utf-8").splitlines()]
+
+
+def test_special_ids(tok):
+    assert (PAD, UNK, BOS, EOS) == (0, 1, 2, 3)
+    assert [tok.piece(i) for i in range(4)] == ["<pad>", "<unk>", "<s>", "</s>"]
+    assert [tok.id(p) for p in ["<pad>", "<unk>", "<s>", "</s>"]] == [0, 1, 2, 3]
+    assert tok.vocab_size == 300
+    assert tok.path.name == "spm.model" and tok.path.is_file()
+
+
+def test_round_trip_on_fixtures(tok):
+    lines = fixture_lines()
+    assert len(lines) == 400
+    encoded = tok.encode_batch(lines)
+    assert encoded == [tok.encode(l) for l in lines]
+    for line, ids in zip(lines, encoded):
+        assert ids and min(ids) > EOS  # plain subwords: no specials added
+        assert tok.decode(ids) == line
+    assert tok.decode_batch(encoded[:5]) == lines[:5]
+
+
+def test_decode_stops_at_eos_and_skips_pad_bos(tok):
+    ids = tok.encode("Das Wetter ist heute schön.")
+    other = tok.encode("The dog barks.")
+    raw = [BOS] + ids + [EOS] + other + [PAD, PAD]
+    assert tok.decode(raw) == "Das Wetter ist heute schön."
+    assert tok.decode(np.array(raw, dtype=np.uint16)) == "Das Wetter ist heute schön."
+    assert tok.decode(torch.tensor(raw)) == "Das Wetter ist heute schön."
+    assert tok.decode([EOS] + ids) == ""
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([tok.vocab_size + 5])
+
+
+def test_language_tags_are_single_pieces(tok):
+    tag = tok.id("<2de>")
+    assert tag > EOS
+    # the tag is never split (SentencePiece may emit a separate word-boundary piece before it)
+    assert tok.encode("<2de>")[-1] == tag
+    ids = tok.encode("<2de> Hallo Welt")
+    assert ids.count(tag) == 1 and tok.decode(ids) == "<2de> Hallo Welt"
+    assert "<2en>" in tok and "<2xx>" not in tok
+    with pytest.raises(KeyError):
+        tok.id("<2xx>")
+    with pytest.raises(IndexError):
+        tok.piece(tok.vocab_size)
+
+
+def test_oversized_vocab_is_retried_with_soft_limit(tmp_path):
+    t = Tokenizer.train([FIXTURES / "tiny.en"], tmp_path / "big", vocab_size=50_000)
+    assert 4 < t.vocab_size < 50_000
+    line = "The weather is nice today."
+    assert t.decode(t.encode(line)) == line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.model", "big.vocab"]  # no temp files left
+
+
+def test_missing_and_corrupt_models(tmp_path):
+    with pytest.raises(ValueError, match="missing.model"):
+        Tokenizer(tmp_path / "missing.model")
+    bad = tmp_path / "bad.model"
+    bad.write_bytes(b"this is not a sentencepiece model")
+    with pytest.raises(ValueError, match="bad.model"):
+        Tokenizer(bad)
+
+
+def test_missing_training_file(tmp_path):
+    with pytest.raises(ValueError, match="nope.txt"):
+        Tokenizer.train([tmp_path / "nope.txt"], tmp_path / "m", 100)
+
+
+def test_pickle_reloads(tok):
+    t2 = pickle.loads(pickle.dumps(tok))
+    assert t2.vocab_size == tok.vocab_size
+    assert t2.encode("Guten Morgen") == tok.encode("Guten Morgen")
