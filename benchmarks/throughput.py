@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{'':24}{'nmtflow':>14}{'nn.Transformer':>16}{'ratio A/B':>11}")
     for label, key, ratio in rows:
         r = f"{result['ratios'][ratio]:>11.2f}" if ratio else ""
-        print(f"{label:24}{a[key]:>14,.1f}{b[key]:>16,.1f}{r}")
+        fmt = ",.1f" if isinstance(a[key], float) else ","
+        print(f"{label:24}{a[key]:>14{fmt}}{b[key]:>16{fmt}}{r}")
     print(f"peak RSS (process-wide): {max(rss.values()):.0f} MB; written to {args.out}")
     return result
 

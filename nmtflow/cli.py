@@ -60,7 +60,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         config.train.save_dir = args.save_dir
     if args.data:
         config.data.path = args.data
-    trainer = Trainer(config, resume=not args.restart)
+    trainer_cls = Trainer
+    if config.data.multilingual is not None:  # many directions, one model (SPEC §5)
+        from nmtflow.train.multilingual import MultilingualTrainer
+
+        trainer_cls = MultilingualTrainer
+    trainer = trainer_cls(config, resume=not args.restart)
     result = trainer.train()
     print(f"{result.progress.stopped}; checkpoints in {result.save_dir}")
 
@@ -83,7 +88,14 @@ def _translator(args: argparse.Namespace):
     from nmtflow.decode.translate import Translator
     from nmtflow.train.trainer import resolve_device
 
-    translator = Translator.from_checkpoint(args.checkpoint, resolve_device(args.device))
+    if args.src_lang or args.tgt_lang:
+        from nmtflow.decode.multilingual import multilingual_translator
+
+        if not (args.src_lang and args.tgt_lang):
+            raise ValueError("name both --src-lang and --tgt-lang (a direction of a multilingual model)")
+        translator = multilingual_translator(args.checkpoint, args.src_lang, args.tgt_lang, resolve_device(args.device))
+    else:
+        translator = Translator.from_checkpoint(args.checkpoint, resolve_device(args.device))
     d = translator.decode
     for field, value in (("beam_size", args.beam), ("nbest", args.nbest), ("len_penalty", args.lenpen),
                          ("max_len_a", args.max_len_a), ("max_len_b", args.max_len_b),
@@ -144,6 +156,10 @@ def cmd_translate(args: argparse.Namespace) -> None:
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from nmtflow.evaluate.metrics import bleu, chrf
 
+    if args.perplexity:
+        return _evaluate_perplexity(args)
+    if not args.ref:
+        raise ValueError("evaluate needs --ref FILE (or --perplexity CKPT --data DIR)")
     refs = _read_lines(args.ref)
     if args.hyp:
         hyps = _read_lines(args.hyp)
@@ -161,6 +177,21 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     else:
         for s in scores:
             print(s)
+
+
+def _evaluate_perplexity(args: argparse.Namespace) -> None:
+    from nmtflow.evaluate.perplexity import checkpoint_perplexity
+    from nmtflow.train.trainer import resolve_device
+
+    if not (args.checkpoint and args.data):
+        raise ValueError("evaluate --perplexity needs a CHECKPOINT and --data DIR (a prepared directory)")
+    result = checkpoint_perplexity(args.checkpoint, args.data, args.split, max_tokens=args.batch_tokens,
+                                   device=resolve_device(args.device))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"perplexity = {result['ppl']:.2f}  (nll {result['nll']:.4f} nats/token over {result['tokens']} "
+              f"tokens, {result['sentences']} sentences of {args.split}, {result['direction']})")
 
 
 @command
@@ -201,6 +232,74 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 @command
+def cmd_analyze(args: argparse.Namespace) -> None:
+    if args.analysis == "attention":
+        return _analyze_attention(args)
+    from nmtflow.analysis.probes import ProbeConfig, run_probes
+    from nmtflow.analysis.report import layer_table
+    from nmtflow.analysis.similarity import SimilarityConfig, run_similarity
+    from nmtflow.train.trainer import resolve_device
+
+    common = dict(split=args.split, labels=args.labels, device=resolve_device(args.device))
+    limits = dict(max_sentences=args.max_sentences, max_tokens=args.batch_tokens, seed=args.seed)
+    if args.analysis == "probe":
+        cfg = ProbeConfig(epochs=args.epochs, holdout=args.holdout, **limits)
+        result = run_probes(args.checkpoints, args.data, args.out, cfg=cfg, **common)
+    else:
+        result = run_similarity(args.checkpoints, args.data, args.out, cfg=SimilarityConfig(**limits), **common)
+    print(f"{result['metric']} per layer (E = embeddings):")
+    print(layer_table({label: {s: m[s] for s in ("encoder", "decoder")} for label, m in result["models"].items()}))
+    print("wrote " + ", ".join(result["files"]))
+
+
+def _analyze_attention(args: argparse.Namespace) -> None:
+    from nmtflow.analysis.attention_maps import run_attention_analysis
+    from nmtflow.train.trainer import resolve_device
+
+    files = run_attention_analysis(args.checkpoint, args.out, src=args.src, tgt=args.tgt, data=args.data,
+                                   split=args.split, max_sentences=args.max_sentences, max_tokens=args.batch_tokens,
+                                   device=resolve_device(args.device))
+    print(f"wrote {len(files)} files to {args.out}")
+
+
+def _embedder(args: argparse.Namespace):
+    """(sentences, language) → embeddings of a multilingual checkpoint (SPEC §5)."""
+    from nmtflow.analysis.embeddings import sentence_embeddings
+    from nmtflow.decode.multilingual import load_multilingual
+    from nmtflow.train.trainer import resolve_device
+
+    ckpt = load_multilingual(args.checkpoint, resolve_device(args.device))
+    return lambda lines, lang: sentence_embeddings(ckpt, lang, lines, pooling=args.pooling,
+                                                   max_tokens=args.batch_tokens)
+
+
+@command
+def cmd_embed(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    vectors = _embedder(args)(_read_lines(args.input), args.lang)
+    np.save(args.output, vectors)
+    print(f"wrote {args.output}: {vectors.shape[0]} sentences × {vectors.shape[1]} ({args.pooling} pooling)")
+
+
+@command
+def cmd_downstream(args: argparse.Namespace) -> None:
+    from nmtflow.analysis import downstream
+
+    embed = _embedder(args)
+    if args.task == "classify":
+        result = downstream.classification(embed, args.train, args.lang, args.test, args.test_lang, l2=args.l2)
+        line = (f"accuracy {result['accuracy']:.4f} on {result['test_examples']} {result['test_lang']} examples "
+                f"(probe trained on {result['train_examples']} {result['train_lang']} examples, "
+                f"train accuracy {result['train_accuracy']:.4f})")
+    else:
+        result = downstream.similarity(embed, args.data, args.lang, args.lang2)
+        line = (f"pearson {result['pearson']:.4f} | spearman {result['spearman']:.4f} "
+                f"({result['examples']} pairs, {result['lang']}–{result['lang2']})")
+    print(json.dumps(result) if args.json else line)
+
+
+@command
 def cmd_quickstart(args: argparse.Namespace) -> None:
     from nmtflow.quickstart import run_quickstart
 
@@ -219,6 +318,8 @@ def _decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, help="source tokens per decoding batch")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--threads", type=int, help="CPU threads")
+    p.add_argument("--src-lang", help="multilingual model: source language (any trained or zero-shot direction)")
+    p.add_argument("--tgt-lang", help="multilingual model: target language")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,7 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
     _decode_options(p)
     p.add_argument("--hyp", help="hypotheses file")
     p.add_argument("--src", help="source file to translate with CHECKPOINT")
-    p.add_argument("--ref", required=True, help="reference file")
+    p.add_argument("--ref", help="reference file (BLEU, chrF)")
+    p.add_argument("--perplexity", action="store_true",
+                   help="instead: perplexity of CHECKPOINT on --data DIR --split NAME (teacher-forced)")
+    p.add_argument("--data", help="prepared data directory, for --perplexity")
+    p.add_argument("--split", default="valid", help="prepared split, for --perplexity")
     p.add_argument("-o", "--output", help="write the translations here")
     p.add_argument("--json", action="store_true")
 
@@ -287,12 +392,74 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", help="TSV: source, correct translation, incorrect translations…")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("embed", help="sentence embeddings of a multilingual model (the bridge's M, pooled) → .npy")
+    _embedding_options(p)
+    p.add_argument("-i", "--input", required=True, help="sentences, one per line")
+    p.add_argument("-o", "--output", required=True, help="output .npy: float32 (N, d_h) for mean, (N, k·d_h) for flat")
+
+    p = sub.add_parser("downstream", help="sentence-embedding tasks: logistic-regression classification, "
+                                          "cosine similarity vs gold scores")
+    tasks = p.add_subparsers(dest="task", required=True, metavar="TASK")
+    q = tasks.add_parser("classify", help="TSV sentence<TAB>label: probe trained on --train, accuracy on --test")
+    _embedding_options(q)
+    q.add_argument("--train", required=True, help="labelled training sentences (TSV) in --lang")
+    q.add_argument("--test", required=True, help="labelled test sentences (TSV) in --test-lang")
+    q.add_argument("--test-lang", help="language of --test (default --lang; another one: cross-lingual transfer)")
+    q.add_argument("--l2", type=float, default=1e-3, help="L2 weight of the logistic regression")
+    q.add_argument("--json", action="store_true")
+    q = tasks.add_parser("similarity", help="TSV sentence1<TAB>sentence2<TAB>gold: Pearson/Spearman of the cosine")
+    _embedding_options(q)
+    q.add_argument("--data", required=True, help="the sentence pairs with gold scores (TSV)")
+    q.add_argument("--lang2", help="language of the second sentences (default --lang)")
+    q.add_argument("--json", action="store_true")
+
     p = sub.add_parser("info", help="parameters of a config's model, per top-level module")
     p.add_argument("config")
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("analyze", help="compare checkpoints layer by layer: lexical probes, similarity to E, gates")
+    analyses = p.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
+    q = analyses.add_parser("probe", help="per-layer lexical probes: held-out accuracy of predicting each sub-word")
+    _analysis_options(q)
+    q.add_argument("--epochs", type=int, default=10, help="probe training epochs")
+    q.add_argument("--holdout", type=float, default=0.2, help="share of the sentences held out for evaluation")
+    q = analyses.add_parser("similarity", help="cosine similarity of each layer to the embeddings E; gate statistics")
+    _analysis_options(q)
+    q = analyses.add_parser("attention", help="attention heat maps (token-to-token | token-to-phrase halves) and "
+                                              "the share of attention mass on phrases per layer")
+    q.add_argument("checkpoint", metavar="CKPT", help="a checkpoint (.pt)")
+    q.add_argument("--src", help="a source sentence to draw heat maps for")
+    q.add_argument("--tgt", help="its target sentence (default: the model's translation of --src)")
+    q.add_argument("--data", help="prepared data directory: phrase share per layer over --split (JSON)")
+    q.add_argument("--split", default="valid", help="prepared split for --data")
+    q.add_argument("--out", required=True, help="output directory (PNG heat maps, phrase_share.json)")
+    q.add_argument("--max-sentences", type=int, help="use only the first N sentences of --split")
+    q.add_argument("--batch-tokens", type=int, default=4000, help="tokens per batch through the model")
+    q.add_argument("--device", default="auto", help="auto | cpu | cuda")
     return parser
+
+
+def _embedding_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a multilingual checkpoint (.pt)")
+    p.add_argument("--lang", required=True, help="language of the sentences (of the first sentences for similarity)")
+    p.add_argument("--pooling", choices=("mean", "flat"), default="mean",
+                   help="mean over the k rows of M (d_h values) or the flattened M (k·d_h values)")
+    p.add_argument("--batch-tokens", type=int, default=6000, help="source tokens per batch")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+
+
+def _analysis_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoints to compare")
+    p.add_argument("--data", required=True, help="prepared data directory (the checkpoints' vocabulary)")
+    p.add_argument("--split", default="valid", help="prepared split to analyse")
+    p.add_argument("--out", required=True, help="output directory for the JSON table and PNG plots")
+    p.add_argument("--labels", nargs="+", help="names of the checkpoints in tables and plots")
+    p.add_argument("--max-sentences", type=int, default=2000, help="sentences used (a seeded random choice)")
+    p.add_argument("--batch-tokens", type=int, default=4000, help="tokens per batch through the frozen model")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
 
 
 def main(argv: list[str] | None = None) -> int:

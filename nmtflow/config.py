@@ -28,6 +28,30 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class MultilingualConfig:
+    """Multilingual training over a multi-way prepared directory (SPEC §5; nmtflow/train/multilingual.py).
+
+    Directions are written ``SRC-TGT`` (or ``SRC>TGT`` when a language code itself contains '-').
+    """
+
+    langs: list[str] = field(default_factory=list)  # languages to train; empty: every prepared language
+    pairs: list[str] = field(default_factory=list)  # training directions; empty: all ordered pairs of langs
+    zero_shot: list[str] = field(default_factory=list)  # left out of training; validated (and translated) zero-shot
+    copy_pairs: bool = False  # add the monolingual copy direction A-A of every language
+    schedule: str = "round_robin"  # round_robin | uniform | weighted (random, ∝ sentence pairs per direction)
+    max_sentences: dict[str, int] = field(default_factory=dict)  # per direction: use only its first N rows
+    init_checkpoint: str | None = None  # adding a language: start from this trained multilingual model ...
+    new_langs: list[str] = field(default_factory=list)  # ... and train only these languages' encoders/decoders
+
+    def validate(self, where: str) -> None:
+        if self.schedule not in ("round_robin", "uniform", "weighted"):
+            raise ConfigError(f"{where}.schedule: unknown schedule {self.schedule!r} "
+                              "(known: round_robin, uniform, weighted)")
+        if self.new_langs and not self.init_checkpoint:
+            raise ConfigError(f"{where}.new_langs: needs init_checkpoint (the model the languages are added to)")
+
+
+@dataclass
 class DataConfig:
     """Where the prepared (binarized) data lives and how it is batched."""
 
@@ -38,6 +62,7 @@ class DataConfig:
     valid_split: str = "valid"
     max_tokens: int = 4096  # padded tokens per batch (source or target, whichever is longer)
     max_sentences: int | None = None
+    multilingual: MultilingualConfig | None = None  # many directions at once (src_lang/tgt_lang then unused)
 
 
 @dataclass
@@ -57,7 +82,7 @@ class TrainConfig:
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
     weight_decay: float = 0.0
-    lr_scheduler: str = "inverse_sqrt"  # inverse_sqrt | constant
+    lr_scheduler: str = "inverse_sqrt"  # inverse_sqrt | constant | reduce_on_rise (÷10 when valid loss rises)
     warmup_updates: int = 4000
     warmup_init_lr: float = 1e-7
     clip_norm: float = 1.0  # 0 disables clipping

@@ -1,13 +1,15 @@
 """Shared fixtures: a tiny prepared copy-task corpus (made in a temp dir, never downloaded)."""
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
 import torch
 
-torch.set_num_threads(2)
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(2)  # the CI machine's cores; deterministic speed for the tiny training tests
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
          "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]

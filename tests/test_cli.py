@@ -68,9 +68,15 @@ def test_translate_score_evaluate_round_trip(copy_data: Path, tmp_path: Path,
     out_lines = (tmp_path / "out.txt").read_text(encoding="utf-8").split("\n")
     assert len(out_lines) == 4 and out_lines[1] == "" and out_lines[3] == ""
     code, out, _ = run(["translate", ckpt, "-i", str(src), "--nbest", "2", "--beam", "3"], capsys)
-    assert code == 0 and len(out.splitlines()) == 6 and all(len(ln.split("\t")) == 3 for ln in out.splitlines())
+    rows = [ln.split("\t") for ln in out.splitlines()]
+    assert code == 0 and all(len(r) == 3 for r in rows)
+    assert [int(r[0]) for r in rows] == [0, 0, 1, 2, 2]  # an empty input has one (empty) hypothesis
 
-    code, out, _ = run(["score", ckpt, "--src", str(src), "--tgt", str(src)], capsys)
+    code, _, err = run(["score", ckpt, "--src", str(src), "--tgt", str(src)], capsys)
+    assert code == 2 and "target line 3" in err  # too long to score: an error, never a silent truncation
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text("alpha bravo\n\ncharlie\n", encoding="utf-8")
+    code, out, _ = run(["score", ckpt, "--src", str(pairs), "--tgt", str(pairs)], capsys)
     assert code == 0 and len(out.splitlines()) == 3 and all(float(x) <= 0 for x in out.split())
     cands = tmp_path / "cands.tsv"
     cands.write_text("alpha bravo\talpha bravo\tbravo alpha\tbravo\n", encoding="utf-8")
@@ -78,7 +84,7 @@ def test_translate_score_evaluate_round_trip(copy_data: Path, tmp_path: Path,
     assert code == 0 and json.loads(out)["total"] == 1
 
     ref = tmp_path / "ref.txt"
-    ref.write_text("alpha bravo\n\ncharlie\n", encoding="utf-8")
+    ref.write_text("alpha bravo charlie delta echo\n\ncharlie delta echo foxtrot\n", encoding="utf-8")
     code, out, _ = run(["evaluate", "--hyp", str(ref), "--ref", str(ref), "--json"], capsys)
     scores = json.loads(out)
     assert code == 0 and scores["BLEU"]["score"] == 100.0 and "nrefs:1" in scores["BLEU"]["signature"]

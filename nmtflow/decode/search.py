@@ -61,36 +61,34 @@ def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_p
     n, k, device = src.size(0), beam_size, src.device
     enc = model.encode(src) if enc is None else enc
     max_lens = max_output_lengths(src, max_len_a, max_len_b, _decoder_limit(model))
-    beam_rows = torch.arange(n, device=device).repeat_interleave(k)
-    enc = reorder(enc, beam_rows)
     state: State = {}
-    tokens = torch.full((n * k, 1), BOS, dtype=torch.long, device=device)  # (n·K, t)
-    scores = torch.zeros(n, k, device=device)
-    scores[:, 1:] = float("-inf")  # all beams start identical: keep one
+    width = 1  # live hypotheses per sentence in the tensors: 1 at step 0 (all beams are equal), then K
+    tokens = torch.full((n, 1), BOS, dtype=torch.long, device=device)  # (n·width, t)
+    scores = torch.zeros(n, 1, device=device)
     sentence_ids = torch.arange(n, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
     for step in range(int(max_lens.max()) + 1):
         logits = model.decode(tokens[:, -1:], enc, state)[:, -1]
-        lprobs = F.log_softmax(logits.float(), dim=-1)  # (n·K, V)
+        lprobs = F.log_softmax(logits.float(), dim=-1)  # (n·width, V)
         vocab = lprobs.size(-1)
         lprobs[:, PAD] = float("-inf")
         lprobs[:, BOS] = float("-inf")
         if step < min_len:
             lprobs[:, EOS] = float("-inf")
-        at_limit = (max_lens <= step).repeat_interleave(k)  # (n·K,)
+        at_limit = (max_lens <= step).repeat_interleave(width)  # (n·width,)
         if at_limit.any():
             eos_only = torch.full_like(lprobs[0], float("-inf"))
             eos_only[EOS] = 0.0
             lprobs[at_limit] = eos_only + lprobs[at_limit][:, EOS:EOS + 1]
-        cand = (scores.view(-1, 1) + lprobs).view(-1, k * vocab)  # (n, K·V)
-        top_scores, top_idx = cand.topk(2 * k, dim=1)  # (n, 2K)
+        cand = (scores.view(-1, 1) + lprobs).view(n, width * vocab)  # (n, width·V)
+        top_scores, top_idx = cand.topk(min(2 * k, width * vocab), dim=1)  # (n, 2K)
         top_beam, top_tok = top_idx // vocab, top_idx % vocab
         is_eos = top_tok.eq(EOS) & top_scores.ne(float("-inf"))
         ended = is_eos[:, :k].nonzero().tolist()  # EOS within the K best candidates
         if ended:
             prefix = tokens[:, 1:].tolist()
             for i, r in ended:
-                seq = prefix[i * k + int(top_beam[i, r])]
+                seq = prefix[i * width + int(top_beam[i, r])]
                 raw = float(top_scores[i, r])
                 finished[int(sentence_ids[i])].append(
                     Hypothesis(seq, raw / length_penalty(len(seq) + 1, len_penalty), raw))
@@ -101,15 +99,17 @@ def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_p
             break
         keep = (~done).nonzero().squeeze(1)
         beams = top_beam.gather(1, pick)[keep]  # (n', K)
-        rows = (keep[:, None] * k + beams).view(-1)
-        pruned = keep.numel() != n
+        rows = (keep[:, None] * width + beams).view(-1)
+        regroup = keep.numel() != n or width != k  # sentences pruned, or the step-0 expansion to K beams
         tokens = torch.cat([tokens.index_select(0, rows), top_tok.gather(1, pick)[keep].view(-1, 1)], dim=1)
-        state = _reorder_state(state, rows, pruned)
-        if pruned:
-            enc = reorder(enc, (keep[:, None] * k + torch.arange(k, device=device)).view(-1))
+        state = _reorder_state(state, rows, regroup)
+        if regroup:
+            first_row = keep * width  # encoder rows are identical across a sentence's beams
+            enc = reorder(enc, first_row.repeat_interleave(k) if width == 1
+                          else (first_row[:, None] + torch.arange(k, device=device)).view(-1))
             sentence_ids, max_lens = sentence_ids[keep], max_lens[keep]
         scores = live_scores[keep]
-        n = keep.numel()
+        n, width = keep.numel(), k
     return [sorted(h, key=lambda h: -h.score)[:nbest] for h in finished]
 
 

@@ -69,6 +69,9 @@ class Translator:
     def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu",
                         decode: DecodeConfig | None = None) -> "Translator":
         ckpt = load_checkpoint(path)
+        if ckpt.get("multilingual"):  # see nmtflow.decode.multilingual
+            raise CheckpointError(f"{path}: a multilingual checkpoint ({', '.join(ckpt['langs']['directions'])}): "
+                                  "name the direction with --src-lang and --tgt-lang")
         try:
             config = config_from_dict(ckpt["config"])
             vocab = Vocabularies(**ckpt["vocab"])
@@ -130,6 +133,10 @@ class Translator:
     def score(self, sources: list[str], targets: list[str]) -> list[float]:
         """log P(target | source) per pair (natural log, EOS included)."""
         src_ids, tgt_ids = self.encode_source(sources), self.tgt_tokenizer.encode_batch(targets)
+        limit = int(getattr(self.model.config, "max_positions", 1 << 30)) - 1
+        for n, seq in enumerate(tgt_ids):
+            if len(seq) >= limit:
+                raise ValueError(f"target line {n + 1} has {len(seq)} tokens; the model scores at most {limit - 1}")
         out = [0.0] * len(sources)
         lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]
         for batch in batches_by_length(lengths, self.decode.max_tokens):

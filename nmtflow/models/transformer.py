@@ -83,17 +83,19 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TransformerConfig, index: int) -> None:
+    """Causal self-attention, cross-attention, FFN; ``cross_attention=False`` drops the middle one (an LM layer)."""
+
+    def __init__(self, cfg: TransformerConfig, index: int, *, cross_attention: bool = True) -> None:
         super().__init__()
         self.self_attn = build_attention(cfg.decoder_self_attention, cfg.d_model, cfg.heads,
                                          dropout=cfg.attention_dropout, self_attention=True,
                                          name=f"decoder.{index}.self_attn")
         self.cross_attn = build_attention(cfg.cross_attention, cfg.d_model, cfg.heads,
                                           dropout=cfg.attention_dropout, self_attention=False,
-                                          name=f"decoder.{index}.cross_attn")
+                                          name=f"decoder.{index}.cross_attn") if cross_attention else None
         self.ffn = FeedForward(cfg.d_model, cfg.ffn_dim, cfg.activation, cfg.activation_dropout)
         self.self_res = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
-        self.cross_res = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.cross_res = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm) if cross_attention else None
         self.ffn_res = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
     def forward(self, x: Tensor, enc: EncoderOut, state: State | None, self_ctx: AttentionContext,
@@ -101,9 +103,11 @@ class DecoderLayer(nn.Module):
         h = self.self_res.inner(x)
         y, _ = self.self_attn(h, h, causal=True, state=state, ctx=self_ctx)
         x = self.self_res.outer(x, y)
-        y, weights = self.cross_attn(self.cross_res.inner(x), enc["out"], key_padding_mask=enc["padding_mask"],
-                                     state=state, ctx=cross_ctx)
-        x = self.cross_res.outer(x, y)
+        weights = None
+        if self.cross_attn is not None:
+            y, weights = self.cross_attn(self.cross_res.inner(x), enc["out"], key_padding_mask=enc["padding_mask"],
+                                         state=state, ctx=cross_ctx)
+            x = self.cross_res.outer(x, y)
         x = self.ffn_res.outer(x, self.ffn(self.ffn_res.inner(x)))
         return x, weights
 
@@ -132,7 +136,9 @@ class TransformerEncoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg, i) for i in range(cfg.encoder_layers))
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
 
-    def forward(self, src: Tensor, need_weights: bool = False) -> EncoderOut:
+    def forward(self, src: Tensor, need_weights: bool = False,
+                layer_outputs: list[Tensor] | None = None) -> EncoderOut:
+        """src (B,S) → encoder output; each layer's output (B,S,D) is appended to ``layer_outputs`` if given."""
         padding_mask = src.eq(PAD)  # (B,S)
         x = self.embedder(src)
         ctx = AttentionContext(embeddings=x, need_weights=need_weights)
@@ -141,6 +147,8 @@ class TransformerEncoder(nn.Module):
             ctx.layer = i
             ctx.layer_inputs.append(x)
             x, weights = layer(x, padding_mask, ctx)
+            if layer_outputs is not None:
+                layer_outputs.append(x)
             if need_weights and weights is not None:
                 out[f"self_attn.{i}"] = weights
         out["out"] = self.final_norm(x)
@@ -150,16 +158,21 @@ class TransformerEncoder(nn.Module):
 class TransformerDecoder(nn.Module):
     """A stack of decoder layers with the output projection; supports incremental ``state``."""
 
-    def __init__(self, cfg: TransformerConfig, embedder: Embedder, output_weight: nn.Parameter) -> None:
+    def __init__(self, cfg: TransformerConfig, embedder: Embedder, output_weight: nn.Parameter, *,
+                 cross_attention: bool = True) -> None:
         super().__init__()
         self.embedder = embedder
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.decoder_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, cross_attention=cross_attention)
+                                    for i in range(cfg.decoder_layers))
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
         self.output_weight = output_weight  # (V,D), usually tied to the target embedding
 
     def features(self, tgt_in: Tensor, enc: EncoderOut, state: State | None = None,
-                 need_weights: bool = False) -> tuple[Tensor, list[Tensor]]:
-        """tgt_in (B,T) → final hidden states (B,T,D) and the cross-attention weights per layer."""
+                 need_weights: bool = False, layer_outputs: list[Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:
+        """tgt_in (B,T) → final hidden states (B,T,D) and the cross-attention weights per layer.
+
+        Each layer's output (B,T,D) is appended to ``layer_outputs`` if given (for analysis).
+        """
         offset: Tensor | int = 0
         if state is not None:
             offset = state.get("decoder.steps", tgt_in.new_zeros(tgt_in.size(0)))
@@ -172,6 +185,8 @@ class TransformerDecoder(nn.Module):
             self_ctx.layer = cross_ctx.layer = i
             self_ctx.layer_inputs.append(x)
             x, weights = layer(x, enc, state, self_ctx, cross_ctx)
+            if layer_outputs is not None:
+                layer_outputs.append(x)
             if weights is not None:
                 cross_weights.append(weights)
         return self.final_norm(x), cross_weights

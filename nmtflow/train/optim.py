@@ -30,7 +30,8 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     if cfg.lr_scheduler == "constant":
         return lambda step: 1.0
     if cfg.lr_scheduler != "inverse_sqrt":
-        raise ConfigError(f"train.lr_scheduler: unknown schedule {cfg.lr_scheduler!r} (known: inverse_sqrt, constant)")
+        raise ConfigError(f"train.lr_scheduler: unknown schedule {cfg.lr_scheduler!r} (known: inverse_sqrt, constant, "
+                          "reduce_on_rise)")
     warmup = max(1, cfg.warmup_updates)
     init = cfg.warmup_init_lr / cfg.lr
 
@@ -43,5 +44,37 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     return schedule
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+class ReduceOnRise(torch.optim.lr_scheduler.LRScheduler):
+    """``lr_scheduler: reduce_on_rise`` (Shen et al. 2018, §4.3, after Gehring et al. 2017): the learning rate
+    stays at ``lr`` and is divided by ``factor`` whenever the validation loss rises above the previous
+    validation's; training stops once it falls below ``min_lr``. Meant for ``optimizer: nesterov``, ``lr: 0.25``.
+
+    ``step()`` (every update) keeps the current rate; the Trainer calls :meth:`validation_end` after each
+    validation. The state (current scale, previous loss) is in ``state_dict()``, so a resumed run continues it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, factor: float = 10.0, min_lr: float = 1e-4) -> None:
+        self.factor, self.min_lr = factor, min_lr
+        self.scale = 1.0
+        self.previous_loss: float | None = None
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [base * self.scale for base in self.base_lrs]
+
+    def validation_end(self, loss: float) -> str | None:
+        """Record a validation loss; divide the rate if it rose. Returns why to stop training, or None."""
+        if self.previous_loss is not None and loss > self.previous_loss:
+            self.scale /= self.factor
+            for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+                group["lr"] = lr
+            self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        self.previous_loss = loss
+        lr = max(group["lr"] for group in self.optimizer.param_groups)
+        return f"learning rate {lr:.3g} fell below min_lr={self.min_lr:g}" if lr < self.min_lr else None
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LRScheduler:
+    if cfg.lr_scheduler == "reduce_on_rise":
+        return ReduceOnRise(optimizer)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))

@@ -71,7 +71,7 @@ class Trainer:
 
     def __init__(self, config: Config, *, resume: bool = True) -> None:
         self.config = config
-        tc, dc = config.train, config.data
+        tc = config.train
         if tc.threads:
             torch.set_num_threads(tc.threads)
         self.device = resolve_device(tc.device)
@@ -79,17 +79,8 @@ class Trainer:
         self.save_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(tc.seed)
 
-        meta = load_meta(dc.path)
-        self.src_tok = Tokenizer(tokenizer_path(dc.path, meta, dc.src_lang))
-        self.tgt_tok = Tokenizer(tokenizer_path(dc.path, meta, dc.tgt_lang))
-        self.vocabs = Vocabularies(self.src_tok.vocab_size, self.tgt_tok.vocab_size,
-                                   joint=self.src_tok.path == self.tgt_tok.path)
-        self.train_data = open_bitext(dc.path, dc.train_split, dc.src_lang, dc.tgt_lang)
-        self.valid_data = open_bitext(dc.path, dc.valid_split, dc.src_lang, dc.tgt_lang) if dc.valid_split else None
-        self.sampler = TokenBatchSampler(self.train_data.src.sizes, self.train_data.tgt.sizes, dc.max_tokens,
-                                         shuffle=True, seed=tc.seed, max_sentences=dc.max_sentences)
-
-        self.model: EncoderDecoder = build_model(config.model, self.vocabs).to(self.device)
+        self.setup_data()
+        self.model: EncoderDecoder = self.create_model().to(self.device)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.progress = Progress()
@@ -102,6 +93,28 @@ class Trainer:
         else:
             (self.save_dir / "log.jsonl").unlink(missing_ok=True)
         (self.save_dir / "config.yaml").write_text(_yaml(to_dict(config)), encoding="utf-8")
+
+    # ---- set-up (seams for subclasses, e.g. nmtflow.train.multilingual.MultilingualTrainer) ---------
+    def setup_data(self) -> None:
+        """Tokenizers, vocabularies, training/validation data and the batch sampler (one direction here)."""
+        tc, dc = self.config.train, self.config.data
+        meta = load_meta(dc.path)
+        self.src_tok = Tokenizer(tokenizer_path(dc.path, meta, dc.src_lang))
+        self.tgt_tok = Tokenizer(tokenizer_path(dc.path, meta, dc.tgt_lang))
+        self.vocabs = Vocabularies(self.src_tok.vocab_size, self.tgt_tok.vocab_size,
+                                   joint=self.src_tok.path == self.tgt_tok.path)
+        self.train_data = open_bitext(dc.path, dc.train_split, dc.src_lang, dc.tgt_lang)
+        self.valid_data = open_bitext(dc.path, dc.valid_split, dc.src_lang, dc.tgt_lang) if dc.valid_split else None
+        self.sampler = TokenBatchSampler(self.train_data.src.sizes, self.train_data.tgt.sizes, dc.max_tokens,
+                                         shuffle=True, seed=tc.seed, max_sentences=dc.max_sentences)
+
+    def create_model(self) -> EncoderDecoder:
+        """The model to train; its trainable parameters (``requires_grad``) go to the optimiser."""
+        return build_model(self.config.model, self.vocabs)
+
+    def model_for(self, batch: Batch) -> EncoderDecoder:
+        """The model that runs ``batch`` (the multilingual trainer picks the batch's direction)."""
+        return self.model
 
     # ---- state ------------------------------------------------------------------------------------
     def checkpoint(self, with_training_state: bool = True) -> dict[str, Any]:
@@ -188,11 +201,12 @@ class Trainer:
         loss_sum = nll_sum = 0.0
         for b in batches:
             b = b.to(self.device)
-            enc = self.model.encode(b.src)
-            logits = self.model.decode(b.tgt_in, enc)
+            model = self.model_for(b)
+            enc = model.encode(b.src)
+            logits = model.decode(b.tgt_in, enc)
             loss, nll = label_smoothed_nll(logits, b.tgt_out, self.config.train.label_smoothing)
             total = loss / tokens
-            aux = self.model.auxiliary_loss(enc)
+            aux = model.auxiliary_loss(enc)
             if aux is not None:
                 total = total + aux / len(batches)
             total.backward()
@@ -308,6 +322,9 @@ class Trainer:
             p.bad_validations += 1
             if tc.patience is not None and p.bad_validations >= tc.patience:
                 p.stopped = f"early stopping: no improvement in {tc.patience} validations"
+        validation_end = getattr(self.scheduler, "validation_end", None)  # e.g. reduce_on_rise (train/optim.py)
+        if validation_end is not None and (reason := validation_end(nll)):
+            p.stopped = reason
         return improved
 
 

@@ -1,0 +1,112 @@
+"""Per-layer hidden states of a frozen Transformer on a prepared split (shared by the SPEC §2 analyses).
+
+Layer 0 of a stack is its embedding layer ``E`` (scaled embeddings plus positions: the input of layer 1);
+layer n ≥ 1 is the output of layer n, i.e. the residual stream after its feed-forward sub-layer (Emelin et al.
+2019, §4.1 fn. 4), before the final LayerNorm of a pre-norm stack. Encoder position i holds source token i
+(sub-words, then EOS); decoder position t holds its input token ``tgt_in[t]`` (BOS, then the sub-words).
+Only non-padding positions are kept, flattened over the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from nmtflow.data.bitext import Bitext, open_bitext, tokenizer_path
+from nmtflow.data.prepare import load_meta
+from nmtflow.data.vocab import PAD
+from nmtflow.decode.translate import Translator, batches_by_length
+from nmtflow.models.base import EncoderDecoder
+from nmtflow.nn.shortcuts import ShortcutAttention
+
+
+@dataclass
+class Model:
+    """A checkpoint loaded for analysis: the frozen model, its label, and the split it is analysed on."""
+
+    label: str
+    path: Path
+    model: EncoderDecoder
+    data: Bitext
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+@dataclass
+class BatchStates:
+    """One batch at its non-padding positions: ids (N,) and per-layer states (N,D) for layers 0…L."""
+
+    src_ids: Tensor
+    tgt_ids: Tensor
+    encoder: list[Tensor]
+    decoder: list[Tensor]
+    gates: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # module name → {"k","v"}: (N,D)
+
+
+def default_labels(paths: Sequence[str | Path]) -> list[str]:
+    """``DIR/FILE`` stems (e.g. ``shortcuts/checkpoint_best``), the full path where those collide."""
+    short = [f"{Path(p).parent.name}/{Path(p).stem}" for p in paths]
+    return short if len(set(short)) == len(short) else [str(p) for p in paths]
+
+
+def load_models(paths: Sequence[str | Path], data_dir: str | Path, split: str, labels: Sequence[str] | None = None,
+                device: str | torch.device = "cpu") -> list[Model]:
+    """Load checkpoints (eval mode, frozen) and open ``split`` of ``data_dir`` in each one's language pair."""
+    if labels is not None and len(labels) != len(paths):
+        raise ValueError(f"{len(labels)} labels given for {len(paths)} checkpoints")
+    labels = list(labels) if labels is not None else default_labels(paths)
+    meta = load_meta(data_dir)
+    models = []
+    for label, path in zip(labels, paths):
+        translator = Translator.from_checkpoint(path, device)
+        model, dc = translator.model, translator.config.data
+        if not (hasattr(model, "encoder") and hasattr(getattr(model, "decoder", None), "features")):
+            raise ValueError(f"{path}: the analyses need a Transformer (model {type(model).__name__})")
+        for lang, tok in ((dc.src_lang, translator.src_tokenizer), (dc.tgt_lang, translator.tgt_tokenizer)):
+            if tokenizer_path(data_dir, meta, lang).read_bytes() != tok.path.read_bytes():
+                raise ValueError(f"{data_dir}: its {lang} tokenizer is not the one {path} was trained with")
+        model.requires_grad_(False)
+        models.append(Model(label, Path(path), model, open_bitext(data_dir, split, dc.src_lang, dc.tgt_lang)))
+    return models
+
+
+def sentence_rows(n: int, max_sentences: int | None, seed: int) -> np.ndarray:
+    """A seeded random choice of at most ``max_sentences`` of ``n`` rows (the same for every checkpoint)."""
+    rows = np.random.default_rng(seed).permutation(n)
+    return rows[:max_sentences] if max_sentences is not None else rows
+
+
+@torch.no_grad()
+def iter_states(m: Model, rows: np.ndarray, max_tokens: int = 4000, gates: bool = False) -> Iterator[BatchStates]:
+    """Run the frozen model over ``rows`` of its split in length-sorted batches; yield their states."""
+    model = m.model.eval()
+    shortcuts = [mod for mod in model.modules() if isinstance(mod, ShortcutAttention)] if gates else []
+    for mod in shortcuts:
+        mod.record_gates = True
+    try:
+        lengths = np.maximum(m.data.src.sizes[rows], m.data.tgt.sizes[rows]).tolist()
+        for idx in batches_by_length(lengths, max_tokens):
+            b = m.data.batch(rows[idx]).to(m.device)
+            enc_layers: list[Tensor] = []
+            dec_layers: list[Tensor] = []
+            enc = model.encoder(b.src, layer_outputs=enc_layers)
+            model.decoder.features(b.tgt_in, enc, layer_outputs=dec_layers)
+            src_keep, tgt_keep = b.src.ne(PAD), b.tgt_in.ne(PAD)  # (B,S), (B,T)
+            tgt_emb = model.decoder.embedder(b.tgt_in)  # eval mode: the E the decoder saw
+            out = BatchStates(b.src[src_keep], b.tgt_in[tgt_keep],
+                              [h[src_keep] for h in [enc["embeddings"], *enc_layers]],
+                              [h[tgt_keep] for h in [tgt_emb, *dec_layers]])
+            for mod in shortcuts:  # keys of decoder self-attention are target positions, all others source
+                keep = tgt_keep if mod.name.startswith("decoder.") and mod.self_attention else src_keep
+                out.gates[mod.name] = {kv: r[keep] for kv, r in mod.gates.items()}
+            yield out
+    finally:
+        for mod in shortcuts:
+            mod.record_gates = False
+            mod.gates, mod.gate_stats = {}, {}

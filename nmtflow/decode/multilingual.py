@@ -1,0 +1,71 @@
+"""Loading multilingual checkpoints for inference: any trained or zero-shot direction, sentence embeddings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nmtflow.config import Config, DecodeConfig, config_from_dict
+from nmtflow.data.tokenizer import Tokenizer
+from nmtflow.data.vocab import lang_tag
+from nmtflow.decode.translate import Translator, tokenizer_from_bytes
+from nmtflow.models.base import build_model
+from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
+from nmtflow.train.checkpoint import CheckpointError, load_checkpoint
+
+
+@dataclass
+class MultilingualCheckpoint:
+    """A trained multilingual model (in eval mode) with one tokenizer per language."""
+
+    model: MultilingualModel
+    tokenizers: dict[str, Tokenizer]
+    config: Config
+    directions: list[str]  # trained directions
+    zero_shot: list[str]  # directions held out of training
+
+    def tokenizer(self, lang: str) -> Tokenizer:
+        if lang not in self.tokenizers:
+            raise ValueError(f"language {lang!r} is unknown to this model (languages: {', '.join(self.tokenizers)})")
+        return self.tokenizers[lang]
+
+    def source_prefix(self, tgt_lang: str) -> int | None:
+        """The ``<2TGT>`` tag id a language-label model expects before each source; None for other models."""
+        if not self.model.uses_language_tags:
+            return None
+        return self.tokenizer(tgt_lang).id(lang_tag(tgt_lang))
+
+    def translator(self, src_lang: str, tgt_lang: str, decode: DecodeConfig | None = None) -> Translator:
+        """A :class:`Translator` for ``src_lang → tgt_lang`` (trained or zero-shot)."""
+        src_tok, tgt_tok = self.tokenizer(src_lang), self.tokenizer(tgt_lang)
+        return Translator(self.model.pair(src_lang, tgt_lang), src_tok, tgt_tok, decode or self.config.decode,
+                          self.config, src_prefix=self.source_prefix(tgt_lang))
+
+
+def is_multilingual(ckpt: dict) -> bool:
+    return bool(ckpt.get("multilingual"))
+
+
+def load_multilingual(path: str | Path, device: str | torch.device = "cpu") -> MultilingualCheckpoint:
+    """Rebuild a checkpoint written by :class:`~nmtflow.train.multilingual.MultilingualTrainer`."""
+    ckpt = load_checkpoint(path)
+    if not is_multilingual(ckpt):
+        raise CheckpointError(f"{path}: not a multilingual checkpoint (translate it without --src-lang/--tgt-lang)")
+    try:
+        config = config_from_dict(ckpt["config"])
+        model = build_model(config.model, LanguageVocabularies(**ckpt["vocab"]))
+        model.load_state_dict(ckpt["model"])
+        tokenizers = {lang: tokenizer_from_bytes(t.numpy().tobytes()) for lang, t in ckpt["tokenizers"].items()}
+    except (KeyError, RuntimeError, TypeError) as exc:
+        raise CheckpointError(f"{path}: checkpoint does not match its model ({str(exc).splitlines()[0][:200]})") from None
+    model.to(device).eval()
+    langs = ckpt.get("langs", {})
+    return MultilingualCheckpoint(model, tokenizers, config, list(langs.get("directions", [])),
+                                  list(langs.get("zero_shot", [])))
+
+
+def multilingual_translator(path: str | Path, src_lang: str, tgt_lang: str, device: str | torch.device = "cpu",
+                            decode: DecodeConfig | None = None) -> Translator:
+    """Load ``path`` and return its ``src_lang → tgt_lang`` translator."""
+    return load_multilingual(path, device).translator(src_lang, tgt_lang, decode)

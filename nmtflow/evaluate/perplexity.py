@@ -1,0 +1,70 @@
+"""Perplexity of a model on a prepared split: exp(mean NLL per target token, EOS included, natural log).
+
+For a language model (``nmtflow.models.lm``) this is its corpus perplexity; for a translation model the
+conditional perplexity of the references given the sources.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nmtflow.data.batching import TokenBatchSampler
+from nmtflow.data.bitext import Bitext, open_bitext
+from nmtflow.data.prepare import load_meta
+from nmtflow.decode.translate import Translator
+from nmtflow.evaluate.metrics import perplexity
+from nmtflow.models.base import EncoderDecoder, device_of
+from nmtflow.train.loss import label_smoothed_nll
+
+
+@dataclass
+class PerplexityResult:
+    nll: float  # mean negative log-likelihood per target token (nats)
+    ppl: float
+    tokens: int  # target tokens scored (EOS included)
+    sentences: int
+
+
+@torch.no_grad()
+def corpus_perplexity(model: EncoderDecoder, data: Bitext, max_tokens: int = 4096) -> PerplexityResult:
+    """Teacher-forced NLL of every target token of ``data`` under ``model`` (in eval mode)."""
+    model.eval()
+    device = device_of(model)
+    sampler = TokenBatchSampler(data.src.sizes, data.tgt.sizes, max_tokens, shuffle=False)
+    nll_sum, tokens = 0.0, 0
+    for idx in sampler.batches(1):
+        b = data.batch(idx).to(device)
+        _, nll = label_smoothed_nll(model(b.src, b.tgt_in), b.tgt_out, 0.0)
+        nll_sum += float(nll)
+        tokens += b.num_tgt_tokens
+    return PerplexityResult(nll_sum / max(tokens, 1), perplexity(nll_sum, tokens), tokens, len(data))
+
+
+def checkpoint_perplexity(checkpoint: str | Path, data_dir: str | Path, split: str = "valid", *,
+                          max_tokens: int | None = None, device: str | torch.device = "cpu") -> dict[str, Any]:
+    """Perplexity of a checkpoint on ``data_dir``'s ``split``, in the checkpoint's language direction.
+
+    The data must be tokenised with the checkpoint's own SentencePiece model (else the ids mean other pieces).
+    """
+    translator = Translator.from_checkpoint(checkpoint, device)
+    data = open_checkpoint_data(translator, data_dir, split)
+    cfg = translator.config
+    assert cfg is not None
+    result = corpus_perplexity(translator.model, data, max_tokens or cfg.data.max_tokens)
+    return {"split": split, "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}", **asdict(result)}
+
+
+def open_checkpoint_data(translator: Translator, data_dir: str | Path, split: str) -> Bitext:
+    """``split`` of ``data_dir`` in the checkpoint's direction, after checking it shares its tokenizers."""
+    cfg = translator.config
+    assert cfg is not None
+    meta = load_meta(data_dir)
+    src, tgt = cfg.data.src_lang, cfg.data.tgt_lang
+    data = open_bitext(data_dir, split, src, tgt)
+    for lang, tok in ((src, translator.src_tokenizer), (tgt, translator.tgt_tokenizer)):
+        if (Path(data_dir) / meta["tokenizers"][lang]).read_bytes() != Path(tok.path).read_bytes():
+            raise ValueError(f"{data_dir}: its {lang} tokenizer is not the one the checkpoint was trained with")
+    return data

@@ -1,0 +1,175 @@
+"""The attentional BiLSTM (Luong et al. 2015; SPEC §1): the host of the attention bridge (SPEC §5).
+
+* :class:`BiLSTMEncoder`: a stack of bidirectional LSTMs over packed sequences (d_h/2 units per direction,
+  so ``H`` is n × d_h, as in Vázquez et al. 2020 §3.1); padding never reaches the LSTM.
+* :class:`LuongDecoder`: a stack of LSTMs with Luong global attention ("general" score, Luong et al.
+  2015 Eq. 5–8) over any memory — the encoder states ``H`` here, the bridge's ``M`` in
+  :mod:`nmtflow.models.multilingual` — and optional input feeding (Luong §3.3)::
+
+      h_t = LSTM([y_{t-1}; h̃_{t-1}], h_{t-1})      α_t = softmax_s(h_tᵀ W_a m_s)      c_t = Σ_s α_ts m_s
+      h̃_t = tanh(W_c [c_t; h_t])                   p(y_t | y_<t, x) = softmax(W_s h̃_t)
+
+  The initial state (a choice the papers leave open) is ``h_0 = tanh(W_init · mean(memory))`` in every layer
+  and ``c_0 = 0``; the mean runs over the memory's non-padding rows (Vázquez et al. 2020: "an initial state
+  computed by mean pooling over M").
+
+Incremental state (batch-first, keyed by the decoder's ``name`` prefix): ``NAME.h`` and ``NAME.c``
+(B, layers, d_h) and, with input feeding, ``NAME.feed`` (B, d_h) = h̃ of the last step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from nmtflow.config import ConfigError
+from nmtflow.data.vocab import PAD
+from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
+from nmtflow.nn.layers import token_embedding
+from nmtflow.registry import register_model
+
+
+@dataclass
+class RNNConfig(ModelConfig):
+    """BiLSTM encoder + LSTM decoder with Luong attention; embeddings have the hidden size d_h."""
+
+    name: str = "rnn"
+    hidden_dim: int = 512  # d_h: embeddings, encoder states (both directions), decoder states
+    encoder_layers: int = 2
+    decoder_layers: int = 2
+    dropout: float = 0.3
+    input_feeding: bool = True
+    tie_embeddings: bool = True  # joint vocab: source = target = output; else target = output
+    max_positions: int = 1024  # only caps the decoding length (the LSTMs have no position limit)
+
+    PRESETS: ClassVar[dict[str, dict]] = {"base": dict(hidden_dim=512, encoder_layers=2, decoder_layers=2)}
+
+    def validate(self, where: str) -> None:
+        if self.hidden_dim % 2:
+            raise ConfigError(f"{where}.hidden_dim: must be even (d_h/2 units per BiLSTM direction), "
+                              f"got {self.hidden_dim}")
+        if self.encoder_layers < 1 or self.decoder_layers < 1:
+            raise ConfigError(f"{where}: the RNN needs at least one encoder and one decoder layer")
+
+
+def masked_mean(x: Tensor, padding_mask: Tensor | None) -> Tensor:
+    """Mean of x (B,S,D) over its non-padding positions (padding_mask (B,S), True = pad) → (B,D)."""
+    if padding_mask is None:
+        return x.mean(dim=1)
+    keep = (~padding_mask).unsqueeze(-1).to(x.dtype)  # (B,S,1)
+    return (x * keep).sum(1) / keep.sum(1).clamp(min=1.0)
+
+
+class BiLSTMEncoder(nn.Module):
+    """Embeddings → ``layers`` stacked BiLSTMs → ``{"out": H (B,S,d_h), "padding_mask": (B,S)}``."""
+
+    def __init__(self, embedding: nn.Embedding, hidden_dim: int, layers: int, dropout: float) -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.dropout = dropout
+        self.lstm = nn.LSTM(embedding.embedding_dim, hidden_dim // 2, num_layers=layers, batch_first=True,
+                            bidirectional=True, dropout=dropout if layers > 1 else 0.0)
+
+    def forward(self, src: Tensor) -> EncoderOut:
+        padding_mask = src.eq(PAD)  # (B,S), right padding
+        lengths = (~padding_mask).sum(1).clamp(min=1)
+        x = F.dropout(self.embedding(src), self.dropout, self.training)  # (B,S,E)
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        h, _ = pad_packed_sequence(out, batch_first=True, total_length=src.size(1))  # (B,S,d_h), 0 at pads
+        return {"out": F.dropout(h, self.dropout, self.training), "padding_mask": padding_mask}
+
+
+class LuongDecoder(nn.Module):
+    """Stacked LSTM + Luong global attention over a memory (B,K,d_m); see the module docstring."""
+
+    def __init__(self, embedding: nn.Embedding, hidden_dim: int, memory_dim: int, layers: int, dropout: float,
+                 output_weight: nn.Parameter, *, input_feeding: bool = True, name: str = "decoder") -> None:
+        super().__init__()
+        self.embedding = embedding
+        self.hidden_dim, self.layers, self.dropout = hidden_dim, layers, dropout
+        self.input_feeding = input_feeding
+        self.name = name
+        feed = hidden_dim if input_feeding else 0
+        self.lstm = nn.LSTM(embedding.embedding_dim + feed, hidden_dim, num_layers=layers, batch_first=True,
+                            dropout=dropout if layers > 1 else 0.0)
+        self.init = nn.Linear(memory_dim, layers * hidden_dim)  # W_init: mean(memory) → h_0 of every layer
+        self.attn_in = nn.Linear(hidden_dim, memory_dim, bias=False)  # W_a ("general" score)
+        self.attn_out = nn.Linear(memory_dim + hidden_dim, hidden_dim, bias=False)  # W_c
+        self.output_weight = output_weight  # W_s (V,d_h), usually tied to the target embedding
+
+    def initial_state(self, memory: Tensor, memory_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """h_0 = tanh(W_init mean(memory)), c_0 = 0 → two (layers,B,d_h) tensors (nn.LSTM layout)."""
+        b = memory.size(0)
+        h = torch.tanh(self.init(masked_mean(memory, memory_mask))).view(b, self.layers, self.hidden_dim)
+        h = h.transpose(0, 1).contiguous()
+        return h, torch.zeros_like(h)
+
+    def attend(self, h: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
+        """h (B,T,d_h) → h̃ (B,T,d_h) = tanh(W_c [c; h]) with c the attention context over memory."""
+        scores = self.attn_in(h) @ memory.transpose(1, 2)  # (B,T,K)
+        if memory_mask is not None:
+            scores = scores.masked_fill(memory_mask[:, None, :], float("-inf"))
+        context = scores.softmax(-1) @ memory  # (B,T,d_m)
+        return torch.tanh(self.attn_out(torch.cat([context, h], dim=-1)))
+
+    def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor | None = None,
+                state: State | None = None) -> Tensor:
+        """tgt_in (B,T), memory (B,K,d_m), memory_mask (B,K) True = pad | None → logits (B,T,V)."""
+        b = tgt_in.size(0)
+        keys = (f"{self.name}.h", f"{self.name}.c", f"{self.name}.feed")
+        if state is not None and keys[0] in state:
+            hc = (state[keys[0]].transpose(0, 1).contiguous(), state[keys[1]].transpose(0, 1).contiguous())
+            feed = state.get(keys[2])
+        else:
+            hc = self.initial_state(memory, memory_mask)
+            feed = memory.new_zeros(b, self.hidden_dim)
+        x = F.dropout(self.embedding(tgt_in), self.dropout, self.training)  # (B,T,E)
+        if self.input_feeding:  # h̃_{t-1} is an input of step t: one step at a time
+            outputs = []
+            for t in range(tgt_in.size(1)):
+                h, hc = self.lstm(torch.cat([x[:, t:t + 1], feed[:, None]], dim=-1), hc)  # (B,1,d_h)
+                feed = self.attend(h, memory, memory_mask)[:, 0]  # (B,d_h)
+                outputs.append(feed)
+            h_tilde = torch.stack(outputs, dim=1)  # (B,T,d_h)
+        else:
+            h, hc = self.lstm(x, hc)
+            h_tilde = self.attend(h, memory, memory_mask)
+        if state is not None:
+            state[keys[0]], state[keys[1]] = hc[0].transpose(0, 1), hc[1].transpose(0, 1)  # (B,layers,d_h)
+            if self.input_feeding:
+                state[keys[2]] = feed
+        return F.linear(F.dropout(h_tilde, self.dropout, self.training), self.output_weight)  # (B,T,V)
+
+
+def output_projection(embedding: nn.Embedding, tie: bool) -> nn.Parameter:
+    """The output matrix W_s (V,d): the embedding's own weight when tied, else a new N(0, d^-1/2) matrix."""
+    if tie:
+        return embedding.weight
+    v, d = embedding.weight.shape
+    return nn.Parameter(nn.init.normal_(embedding.weight.new_empty(v, d), std=d ** -0.5))
+
+
+@register_model("rnn", RNNConfig)
+class RNNModel(EncoderDecoder):
+    """Attentional BiLSTM encoder–decoder for one direction (SPEC §1)."""
+
+    def __init__(self, cfg: RNNConfig, vocabs: Vocabularies) -> None:
+        super().__init__()
+        self.config = cfg
+        src_emb = token_embedding(vocabs.src_size, cfg.hidden_dim)
+        share_all = cfg.tie_embeddings and vocabs.joint and vocabs.src_size == vocabs.tgt_size
+        tgt_emb = src_emb if share_all else token_embedding(vocabs.tgt_size, cfg.hidden_dim)
+        self.encoder = BiLSTMEncoder(src_emb, cfg.hidden_dim, cfg.encoder_layers, cfg.dropout)
+        self.decoder = LuongDecoder(tgt_emb, cfg.hidden_dim, cfg.hidden_dim, cfg.decoder_layers, cfg.dropout,
+                                    output_projection(tgt_emb, cfg.tie_embeddings), input_feeding=cfg.input_feeding)
+
+    def encode(self, src: Tensor) -> EncoderOut:
+        return self.encoder(src)
+
+    def decode(self, tgt_in: Tensor, enc: EncoderOut, state: State | None = None) -> Tensor:
+        return self.decoder(tgt_in, enc["out"], enc["padding_mask"], state)

@@ -1,0 +1,61 @@
+"""The attention bridge: a shared inner-attention layer (Vázquez et al. 2020, §2.2; SPEC §5).
+
+Language-specific encoders produce ``H`` (n × d_h); the bridge turns it into a fixed-size matrix of k rows::
+
+    A = softmax_over_positions(W_2 ReLU(W_1 Hᵀ))    (k × n)    Eq. 8, padding positions get weight 0
+    M = A H                                          (k × d_h)  Eq. 9
+
+with ``W_1`` d_w × d_h and ``W_2`` k × d_w, both without bias. Each row of ``A`` is a distribution over the
+source positions. The redundancy penalty of Eq. 10 is ``‖A Aᵀ − I‖²_F``, averaged over the sentences of a
+batch (SPEC §5: it is added, times λ, to the per-token mean cross-entropy).
+
+The bridge is not an :class:`~nmtflow.nn.attention.MultiHeadAttention` variant: it has no query (its k
+"queries" are the rows of ``W_2``) and its output has k rows whatever the source length.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class AttentionBridge(nn.Module):
+    """Inner attention H (B,S,d_h) → M (B,k,d_h), A (B,k,S) (Eq. 8–9)."""
+
+    def __init__(self, hidden_dim: int, heads: int = 10, attention_dim: int = 1024) -> None:
+        super().__init__()
+        if heads < 1 or attention_dim < 1:
+            raise ValueError(f"the bridge needs heads >= 1 and attention_dim >= 1, got {heads}, {attention_dim}")
+        self.heads = heads
+        self.w1 = nn.Linear(hidden_dim, attention_dim, bias=False)  # W_1: d_w × d_h
+        self.w2 = nn.Linear(attention_dim, heads, bias=False)  # W_2: k × d_w
+        nn.init.xavier_uniform_(self.w1.weight)
+        nn.init.xavier_uniform_(self.w2.weight)
+
+    def forward(self, h: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """h (B,S,d_h), padding_mask (B,S) True = pad → M (B,k,d_h), A (B,k,S) with rows summing to 1."""
+        scores = self.w2(F.relu(self.w1(h)))  # (B,S,k) = (W_2 ReLU(W_1 Hᵀ))ᵀ
+        if padding_mask is not None:
+            scores = scores.masked_fill(padding_mask[:, :, None], float("-inf"))
+        attention = scores.softmax(dim=1).transpose(1, 2)  # (B,k,S): softmax over positions
+        return attention @ h, attention  # M = A H: (B,k,d_h)
+
+
+def bridge_penalty(attention: Tensor) -> Tensor:
+    """‖A Aᵀ − I‖²_F (Eq. 10) per sentence of A (B,k,S), averaged over the batch → a scalar.
+
+    Padding positions hold zero weight, so they do not contribute to ``A Aᵀ``.
+    """
+    k = attention.size(1)
+    gram = attention @ attention.transpose(1, 2)  # (B,k,k)
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    return (gram - eye).pow(2).sum(dim=(1, 2)).mean()
+
+
+def pool_bridge(memory: Tensor, pooling: str = "mean") -> Tensor:
+    """Sentence embeddings from M (B,k,d_h): ``mean`` over the k rows → (B,d_h); ``flat`` → (B,k·d_h)."""
+    if pooling == "mean":
+        return memory.mean(dim=1)
+    if pooling == "flat":
+        return memory.reshape(memory.size(0), -1)
+    raise ValueError(f"unknown pooling {pooling!r} (known: mean, flat)")

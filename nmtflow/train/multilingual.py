@@ -1,0 +1,203 @@
+"""Multilingual training (SPEC §5): many directions of one multi-way prepared directory, one model.
+
+:class:`MultilingualTrainer` is the ordinary :class:`~nmtflow.train.trainer.Trainer` with its data and model
+seams filled in for ``data.multilingual``:
+
+* ``setup_data``: one bitext and one token sampler per direction, joined by the
+  :class:`~nmtflow.data.multilingual.LanguageRotatingSampler`; batches are
+  :class:`~nmtflow.data.multilingual.PairBatch` es that carry ``src_lang``/``tgt_lang``; a language-label
+  model gets the ``<2TGT>`` tag before every source;
+* ``model_for(batch)`` = ``model.pair(batch.src_lang, batch.tgt_lang)``: the training step is unchanged;
+* validation: loss and BLEU per direction (logged as ``valid_directions``); model selection uses the mean
+  over the supervised directions, zero-shot ones are only reported;
+* adding a language (``init_checkpoint`` + ``new_langs``): the trained model is loaded and everything but
+  the new languages' encoders and decoders is frozen — the bridge included.
+
+Resume, checkpoints, logging and the schedule of updates are the base trainer's. A multilingual checkpoint
+adds ``multilingual: True``, per-language vocabulary sizes under ``vocab`` and one tokenizer per language.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from nmtflow.config import ConfigError
+from nmtflow.data.batching import Batch, TokenBatchSampler
+from nmtflow.data.bitext import tokenizer_path
+from nmtflow.data.multilingual import (Direction, LanguageRotatingSampler, MultiBitext, open_directions,
+                                       plan_directions)
+from nmtflow.data.prepare import load_meta
+from nmtflow.data.tokenizer import Tokenizer
+from nmtflow.data.vocab import lang_tag
+from nmtflow.decode.translate import Translator, bytes_tensor
+from nmtflow.evaluate.metrics import bleu
+from nmtflow.models.base import EncoderDecoder
+from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
+from nmtflow.registry import MODELS
+from nmtflow.train.checkpoint import load_checkpoint
+from nmtflow.train.loss import label_smoothed_nll
+from nmtflow.train.trainer import Trainer
+
+log = logging.getLogger("nmtflow.train")
+
+
+def tag_ids(tokenizers: dict[str, Tokenizer], langs: list[str], where: str) -> dict[str, int]:
+    """Ids of the ``<2xx>`` target tags of ``langs`` in a joint vocabulary."""
+    if len({str(t.path) for t in tokenizers.values()}) != 1:
+        raise ConfigError(f"{where}: a language-label model needs a joint vocabulary (prepare without "
+                          "--separate-vocab)")
+    tok = next(iter(tokenizers.values()))
+    missing = [lang for lang in langs if lang_tag(lang) not in tok]
+    if missing:
+        raise ConfigError(f"{where}: no {lang_tag(missing[0])} tag in the vocabulary (prepare with --lang-tags)")
+    return {lang: tok.id(lang_tag(lang)) for lang in langs}
+
+
+def tokenizer_tensors(tokenizers: dict[str, Tokenizer]) -> dict[str, torch.Tensor]:
+    """Language → the SentencePiece model's bytes; a joint model is stored once (shared tensor)."""
+    by_path: dict[str, torch.Tensor] = {}
+    return {lang: by_path.setdefault(str(tok.path), bytes_tensor(tok.path)) for lang, tok in tokenizers.items()}
+
+
+class MultilingualTrainer(Trainer):
+    """Trains a :class:`MultilingualModel` on ``data.multilingual``; see the module docstring."""
+
+    model: MultilingualModel
+
+    # ---- data --------------------------------------------------------------------------------------
+    def setup_data(self) -> None:
+        tc, dc = self.config.train, self.config.data
+        mc = dc.multilingual
+        if mc is None:
+            raise ConfigError("data.multilingual: missing (the multilingual trainer needs its directions)")
+        model_cls = MODELS.get(self.config.model.name).cls
+        if not issubclass(model_cls, MultilingualModel):
+            raise ConfigError(f"model.name: {self.config.model.name!r} is not a multilingual model "
+                              "(bridge or language_label)")
+        self.uses_tags = model_cls.uses_language_tags
+        meta = load_meta(dc.path)
+        self.directions, self.zero_shot = plan_directions(meta["langs"], mc)
+        self.init_checkpoint = load_checkpoint(mc.init_checkpoint) if mc.init_checkpoint else None
+        encoders = {d.src: 0 for d in self.directions}
+        decoders = {d.tgt: 0 for d in self.directions}
+        if self.init_checkpoint is not None:  # keep every module of the model that languages are added to
+            encoders.update(self.init_checkpoint["vocab"].get("encoders", {}))
+            decoders.update(self.init_checkpoint["vocab"].get("decoders", {}))
+        langs = sorted({*encoders, *decoders, *(lang for d in self.zero_shot for lang in (d.src, d.tgt))})
+        self.tokenizers = {lang: Tokenizer(tokenizer_path(dc.path, meta, lang)) for lang in langs}
+        if self.init_checkpoint is not None:
+            self._check_tokenizers(self.init_checkpoint, mc.init_checkpoint)
+        encoders = {lang: self.tokenizers[lang].vocab_size for lang in encoders}
+        decoders = {lang: self.tokenizers[lang].vocab_size for lang in decoders}
+        self.vocabs = LanguageVocabularies(max(encoders.values()), max(decoders.values()),
+                                           joint=len({str(t.path) for t in self.tokenizers.values()}) == 1,
+                                           encoders=encoders, decoders=decoders)
+        self.src_tok, self.tgt_tok = self.tokenizers[self.directions[0].src], self.tokenizers[self.directions[0].tgt]
+        tags = tag_ids(self.tokenizers, langs, dc.path) if self.uses_tags else {}
+        self.prefixes = {d: tags[d.tgt] for d in [*self.directions, *self.zero_shot]} if tags else {}
+
+        self.train_data = open_directions(dc.path, dc.train_split, self.directions, self.prefixes, mc.max_sentences)
+        valid = [d for d in self.directions if not d.is_copy] + self.zero_shot
+        self.valid_data = open_directions(dc.path, dc.valid_split, valid, self.prefixes) \
+            if dc.valid_split and valid else None
+        samplers = [TokenBatchSampler(*self.train_data.sizes(i), dc.max_tokens, shuffle=True, seed=tc.seed + 1000 * i,
+                                      max_sentences=dc.max_sentences, src_prefix_len=int(self.uses_tags))
+                    for i in range(len(self.directions))]
+        self.sampler = LanguageRotatingSampler(samplers, mc.schedule, tc.seed, self.train_data.limits)
+        log.info("multilingual: %s schedule over %s%s", mc.schedule, ", ".join(map(str, self.directions)),
+                 f"; zero-shot {', '.join(map(str, self.zero_shot))}" if self.zero_shot else "")
+
+    def _check_tokenizers(self, ckpt: dict[str, Any], path: str) -> None:
+        for lang, data in ckpt.get("tokenizers", {}).items():
+            if lang in self.tokenizers and self.tokenizers[lang].path.read_bytes() != data.numpy().tobytes():
+                raise ConfigError(f"data.path: the {lang} tokenizer differs from the one in {path}; prepare the "
+                                  "new language together with the languages of the trained model")
+
+    # ---- model -------------------------------------------------------------------------------------
+    def create_model(self) -> EncoderDecoder:
+        model = super().create_model()
+        for d in self.zero_shot:
+            try:
+                model.check_pair(d.src, d.tgt)
+            except ValueError as exc:
+                raise ConfigError(f"data.multilingual.zero_shot: {d}: {exc}") from None
+        mc = self.config.data.multilingual
+        if self.init_checkpoint is not None:
+            try:
+                _, unexpected = model.load_state_dict(self.init_checkpoint["model"], strict=False)
+            except RuntimeError as exc:
+                raise ConfigError(f"data.multilingual.init_checkpoint: {mc.init_checkpoint} does not fit this "
+                                  f"model ({str(exc).splitlines()[0][:200]})") from None
+            if unexpected:
+                raise ConfigError(f"data.multilingual.init_checkpoint: unexpected parameters {unexpected[:3]}")
+            if mc.new_langs:
+                if not hasattr(model, "language_modules"):
+                    raise ConfigError("data.multilingual.new_langs: this model has no language-specific modules")
+                model.requires_grad_(False)  # the bridge and every other language stay as they are
+                for module in model.language_modules(list(mc.new_langs)):
+                    module.requires_grad_(True)
+        return model
+
+    def model_for(self, batch: Batch) -> EncoderDecoder:
+        return self.model.pair(batch.src_lang, batch.tgt_lang)  # type: ignore[attr-defined]
+
+    def translator(self, d: Direction, decode: Any = None) -> Translator:
+        return Translator(self.model.pair(d.src, d.tgt), self.tokenizers[d.src], self.tokenizers[d.tgt],
+                          decode or self.config.decode, self.config, src_prefix=self.prefixes.get(d))
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def checkpoint(self, with_training_state: bool = True) -> dict[str, Any]:
+        ckpt = super().checkpoint(with_training_state)
+        v = self.vocabs
+        ckpt["vocab"] = {"src_size": v.src_size, "tgt_size": v.tgt_size, "joint": v.joint,
+                         "encoders": dict(v.encoders), "decoders": dict(v.decoders)}
+        ckpt["langs"] = {"directions": [str(d) for d in self.directions], "zero_shot": [str(d) for d in self.zero_shot]}
+        ckpt["tokenizers"] = tokenizer_tensors(self.tokenizers)
+        ckpt["multilingual"] = True
+        return ckpt
+
+    # ---- validation --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validation_loss(self) -> tuple[float, int]:
+        """Mean NLL per target token over the supervised directions; every direction is logged."""
+        valid: MultiBitext = self.valid_data  # type: ignore[assignment]
+        self.model.eval()
+        per: dict[str, float] = {}
+        nll_sum, tokens = 0.0, 0
+        for i, d in enumerate(valid.directions):
+            sampler = TokenBatchSampler(*valid.sizes(i), self.config.data.max_tokens, shuffle=False,
+                                        src_prefix_len=int(self.uses_tags))
+            d_nll, d_tokens = 0.0, 0
+            for rows in sampler.batches(1):
+                b = valid.batch((i, rows)).to(self.device)
+                _, nll = label_smoothed_nll(self.model_for(b)(b.src, b.tgt_in), b.tgt_out, 0.0)
+                d_nll += float(nll)
+                d_tokens += b.num_tgt_tokens
+            per[f"nll.{d}"] = d_nll / max(d_tokens, 1)
+            if d not in self.zero_shot:
+                nll_sum, tokens = nll_sum + d_nll, tokens + d_tokens
+        self.record("valid_directions", per)
+        return nll_sum / max(tokens, 1), tokens
+
+    def validation_bleu(self) -> float:
+        """BLEU per direction (logged); returns the mean over the supervised directions."""
+        valid: MultiBitext = self.valid_data  # type: ignore[assignment]
+        tc = self.config.train
+        decode = dataclasses.replace(self.config.decode, beam_size=tc.valid_beam_size, nbest=1,
+                                     greedy=tc.valid_beam_size == 1)
+        self.model.eval()
+        scores: dict[str, float] = {}
+        for i, d in enumerate(valid.directions):
+            n = valid.limits[i] if tc.valid_bleu_max_sentences is None else min(valid.limits[i],
+                                                                                 tc.valid_bleu_max_sentences)
+            bitext, tgt_tok = valid.bitexts[i], self.tokenizers[d.tgt]
+            hyps = self.translator(d, decode).translate_ids([bitext.src[j].tolist() for j in range(n)])
+            refs = [tgt_tok.decode(bitext.tgt[j].tolist()) for j in range(n)]
+            scores[str(d)] = bleu([tgt_tok.decode(h[0].tokens) for h in hyps], refs).score
+        self.record("valid_directions", {f"bleu.{k}": v for k, v in scores.items()})
+        supervised = [scores[str(d)] for d in valid.directions if d not in self.zero_shot]
+        return float(np.mean(supervised)) if supervised else 0.0
