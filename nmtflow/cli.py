@@ -306,6 +306,17 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     run_quickstart(Path(args.workdir), minutes=args.minutes, threads=args.threads)
 
 
+@command
+def cmd_compare(args: argparse.Namespace) -> None:
+    from nmtflow.evaluate.compare import run_comparison
+
+    result = run_comparison(args.experiment, out=args.out, overrides=args.set, plugins=args.plugin)
+    print(f"results: {result.out / 'results.md'}")
+    if result.failed:
+        raise ValueError(f"{len(result.failed)} run(s) failed ({', '.join(result.failed)}); see "
+                         f"{result.out / 'results.md'}; rerun the same command to retry them")
+
+
 # --------------------------------------------------------------------------------------------------
 def _decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", nargs="?" if p.prog.endswith("evaluate") else None, help="a checkpoint (.pt)")
@@ -333,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="runs/quickstart")
     p.add_argument("--minutes", type=float, default=6.0, help="training budget in minutes")
     p.add_argument("--threads", type=int, default=None)
+
+    p = sub.add_parser("compare", help="train several configs under one budget; BLEU/chrF/speed/memory table + plots")
+    p.add_argument("experiment", help="experiment file (experiments/*.yaml)")
+    p.add_argument("--out", help="output directory (default: runs/compare-NAME); rerunning resumes it")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. data.path=DIR")
 
     p = sub.add_parser("corpus", help="write the built-in synthetic multilingual corpus")
     p.add_argument("out")

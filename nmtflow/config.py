@@ -97,6 +97,14 @@ class TrainConfig:
     early_stop_metric: str = "bleu"  # bleu | loss
     log_every: int = 50
     progress: bool = True  # tqdm bar
+    precision: str = "fp32"  # fp32 | bf16 (autocast, CPU and GPU) | fp16 (autocast + GradScaler, GPU only)
+    max_bad_updates: int = 5  # stop after this many consecutive updates with a non-finite loss (each skipped)
+
+    def validate(self, where: str) -> None:
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"{where}.precision: unknown precision {self.precision!r} (known: fp32, bf16, fp16)")
+        if self.max_bad_updates < 1:
+            raise ConfigError(f"{where}.max_bad_updates: must be >= 1, got {self.max_bad_updates}")
 
 
 @dataclass

@@ -60,13 +60,14 @@ class ConvS2SConfig(ModelConfig):
     kernel_size: int = 3  # 2r + 1 (causal in the decoder)
     encoder_layers: int = 4
     decoder_layers: int = 4
-    layer_groups: list[tuple[int, int, int]] | None = None  # [(count, width, kernel)] for both stacks
+    layer_groups: list[tuple[int, int, int]] | None = None  # [(count, width, kernel)] for both stacks: overrides
+    #   encoder_layers, decoder_layers, hidden / growth and kernel_size
     dense_encoder: bool = False
     dense_decoder: bool = False
     attention: str = "multistep"  # multistep | dense1 | dense2
     sumlen: int = 0  # a summary layer after every sumlen − 1 dense layers; 0 = none
     dropout: float = 0.2
-    weight_norm: bool = True
+    weight_norm: bool = True  # w = g·v/‖v‖ in every conv and linear layer (Gehring et al. 2017); false: plain
     tie_embeddings: bool = False  # target embedding = softmax matrix
     max_positions: int = 1024
 

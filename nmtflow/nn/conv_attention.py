@@ -25,10 +25,10 @@ SQRT_HALF = math.sqrt(0.5)
 class MultiStepAttention(nn.Module):
     """Gehring et al. (2017), Eq. 1–2 and §3.4, one decoder layer's attention (all in the embedding space d0):
 
-        d_i  = (W_d z_i + b_d + g_i) · √½             g_i: target embedding (B,T,d0)
-        α_ij = softmax_j(d_i · k_j)                     k_j: encoder output (``enc["out"]``, B,S,d0)
-        c_i  = √m · Σ_j α_ij v_j                        v_j = (k_j + e_j) · √½ (``enc["values"]``), m = source length
-        out  = W_o c_i + b_o                            back to the layer width w
+        d_i  = (W_d z_i + b_d + g_i) · √½      g_i: target embedding (B,T,d0)
+        α_ij = softmax_j(d_i · k_j)              k_j: encoder output (``enc["out"]``, B,S,d0)
+        c_i  = √m · Σ_j α_ij v_j                 v_j = (k_j + e_j) · √½ (``enc["values"]``), m: source length
+        out  = W_o c_i + b_o                     back to the layer width w
 
     ``m`` is each sentence's own (unpadded) length, so padding changes nothing.
     """

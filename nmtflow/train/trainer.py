@@ -11,16 +11,17 @@ import logging
 import math
 import signal
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from nmtflow.config import Config, to_dict
+from nmtflow.config import Config, ConfigError, to_dict
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import Bitext, open_bitext, tokenizer_path
 from nmtflow.data.prepare import load_meta
@@ -28,6 +29,7 @@ from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
+from nmtflow.train import distributed
 from nmtflow.train.checkpoint import FORMAT, load_checkpoint, periodic_checkpoints, save_atomic
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
@@ -52,6 +54,7 @@ class Progress:
     bad_validations: int = 0
     elapsed: float = 0.0  # training seconds, summed over resumed runs
     stopped: str = ""  # why training ended, once it has
+    bad_updates: int = 0  # consecutive updates skipped for a non-finite loss
 
 
 @dataclass
@@ -74,7 +77,12 @@ class Trainer:
         tc = config.train
         if tc.threads:
             torch.set_num_threads(tc.threads)
-        self.device = resolve_device(tc.device)
+        self.dist = distributed.env_info()
+        self.device = distributed.device_for(tc.device, self.dist)
+        self.dist = distributed.setup(self.device)  # DDP when launched by torchrun with WORLD_SIZE > 1
+        if tc.precision == "fp16" and self.device.type != "cuda":
+            raise ConfigError(f"train.precision: fp16 needs a CUDA device (this run is on {self.device}); "
+                              "use bf16 on CPU")
         self.save_dir = Path(tc.save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(tc.seed)
@@ -83,6 +91,7 @@ class Trainer:
         self.model: EncoderDecoder = self.create_model().to(self.device)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
+        self.scaler = torch.amp.GradScaler("cuda") if tc.precision == "fp16" else None
         self.progress = Progress()
         self.writer = None
         last = self.save_dir / "checkpoint_last.pt"
@@ -90,9 +99,14 @@ class Trainer:
             self.load_state(load_checkpoint(last, self.device))
             log.info("resumed from %s at update %d (epoch %d, batch %d)", last, self.progress.update,
                      self.progress.epoch, self.progress.position)
-        else:
+        elif self.dist.is_main:
             (self.save_dir / "log.jsonl").unlink(missing_ok=True)
-        (self.save_dir / "config.yaml").write_text(_yaml(to_dict(config)), encoding="utf-8")
+        # DDP all-reduces gradients during backward (hooks); it starts from rank 0's parameters
+        self.ddp = None if not self.dist.enabled else DistributedDataParallel(
+            _StepModule(self.model), device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            find_unused_parameters=True)
+        if self.dist.is_main:
+            (self.save_dir / "config.yaml").write_text(_yaml(to_dict(config)), encoding="utf-8")
 
     # ---- set-up (seams for subclasses, e.g. nmtflow.train.multilingual.MultilingualTrainer) ---------
     def setup_data(self) -> None:
@@ -106,7 +120,8 @@ class Trainer:
         self.train_data = open_bitext(dc.path, dc.train_split, dc.src_lang, dc.tgt_lang)
         self.valid_data = open_bitext(dc.path, dc.valid_split, dc.src_lang, dc.tgt_lang) if dc.valid_split else None
         self.sampler = TokenBatchSampler(self.train_data.src.sizes, self.train_data.tgt.sizes, dc.max_tokens,
-                                         shuffle=True, seed=tc.seed, max_sentences=dc.max_sentences)
+                                         shuffle=True, seed=tc.seed, max_sentences=dc.max_sentences,
+                                         num_shards=self.dist.world_size, shard_id=self.dist.rank)
 
     def create_model(self) -> EncoderDecoder:
         """The model to train; its trainable parameters (``requires_grad``) go to the optimiser."""
@@ -131,6 +146,8 @@ class Trainer:
             ckpt["optimizer"] = self.optimizer.state_dict()
             ckpt["scheduler"] = self.scheduler.state_dict()
             ckpt["rng"] = {"torch": torch.get_rng_state()}
+            if self.scaler is not None:
+                ckpt["scaler"] = self.scaler.state_dict()
             if torch.cuda.is_available():
                 ckpt["rng"]["cuda"] = torch.cuda.get_rng_state_all()
         return ckpt
@@ -139,18 +156,22 @@ class Trainer:
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
+        if self.scaler is not None and "scaler" in ckpt:
+            self.scaler.load_state_dict(ckpt["scaler"])
         torch.set_rng_state(ckpt["rng"]["torch"].cpu())
         if "cuda" in ckpt["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
         self.progress = Progress(**{**ckpt["progress"], "stopped": ""})  # a new budget may continue it
         # drop log lines written after this checkpoint by the interrupted run
         log_file = self.save_dir / "log.jsonl"
-        if log_file.is_file():
+        if log_file.is_file() and self.dist.is_main:
             kept = [ln for ln in log_file.read_text(encoding="utf-8").splitlines()
                     if ln and json.loads(ln).get("update", 0) <= self.progress.update]
             log_file.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
 
     def save(self, best: bool = False) -> None:
+        if not self.dist.is_main:  # one writer; every rank resumes from the same files
+            return
         ckpt = self.checkpoint()
         tc = self.config.train
         save_atomic(ckpt, self.save_dir / "checkpoint_last.pt")
@@ -163,6 +184,8 @@ class Trainer:
 
     # ---- logging ----------------------------------------------------------------------------------
     def record(self, kind: str, values: dict[str, float]) -> None:
+        if not self.dist.is_main:
+            return
         entry = {"kind": kind, "update": self.progress.update, **values}
         with open(self.save_dir / "log.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(entry) + "\n")
@@ -194,38 +217,69 @@ class Trainer:
             epoch, start = epoch + 1, 0
 
     def train_step(self, batches: list[Batch]) -> dict[str, float]:
-        """One update from ``batches`` (gradient accumulation): loss normalised by all their target tokens."""
+        """One update from ``batches`` (gradient accumulation; with DDP, this rank's share of the update).
+
+        The loss is normalised by the target tokens of the whole update over all ranks, so N ranks equal one
+        process that accumulates their batches. A non-finite loss or gradient norm skips the update
+        (``skipped`` = 1, gradients zeroed); all ranks agree because the loss is all-reduced.
+        """
+        tc = self.config.train
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = sum(b.num_tgt_tokens for b in batches)
+        tokens = int(distributed.all_reduce([sum(b.num_tgt_tokens for b in batches)], self.device)[0])
+        world = self.dist.world_size
         loss_sum = nll_sum = 0.0
-        for b in batches:
+        for i, b in enumerate(batches):
             b = b.to(self.device)
             model = self.model_for(b)
-            enc = model.encode(b.src)
-            logits = model.decode(b.tgt_in, enc)
-            loss, nll = label_smoothed_nll(logits, b.tgt_out, self.config.train.label_smoothing)
-            total = loss / tokens
-            aux = model.auxiliary_loss(enc)
-            if aux is not None:
-                total = total + aux / len(batches)
-            total.backward()
+            sync = self.ddp is None or i == len(batches) - 1  # all-reduce gradients on the last batch only
+            with nullcontext() if sync else self.ddp.no_sync():
+                with self.autocast():
+                    if self.ddp is not None:
+                        loss, nll, aux = self.ddp(model, b, tc.label_smoothing)
+                    else:
+                        loss, nll, aux = _batch_loss(model, b, tc.label_smoothing)
+                total = loss * world / tokens if world > 1 else loss / tokens  # DDP averages over ranks
+                if aux is not None:
+                    total = total + aux / len(batches)
+                (self.scaler.scale(total) if self.scaler is not None else total).backward()
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
-        clip = self.config.train.clip_norm
+        loss_sum, nll_sum = distributed.all_reduce([loss_sum, nll_sum], self.device)
+        stats = {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "tokens": tokens,
+                 "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        clip = tc.clip_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
-        gnorm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-        self.optimizer.step()
+        gnorm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
+        if not math.isfinite(loss_sum) or (self.scaler is None and not math.isfinite(gnorm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is not None:
+                self.scaler.update()  # lowers the scale after the overflow
+            return {**stats, "gnorm": gnorm, "skipped": 1.0}
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # itself skips steps whose fp16 gradients overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
-        return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "tokens": tokens, "gnorm": float(gnorm),
-                "lr": self.optimizer.param_groups[0]["lr"]}
+        return {**stats, "gnorm": gnorm, "skipped": 0.0}
+
+    def autocast(self) -> Any:
+        """The mixed-precision context of ``train.precision`` (a no-op for fp32)."""
+        precision = self.config.train.precision
+        if precision == "fp32":
+            return nullcontext()
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
 
     def train(self) -> TrainResult:
         tc = self.config.train
         p = self.progress
         log.info("model %s: %s parameters; %d training pairs, %d batches per epoch", self.config.model.name,
                  f"{count_parameters(self.model):,}", len(self.train_data), len(self.epoch_batches(p.epoch)))
-        bar = tqdm(total=tc.max_updates, initial=p.update, disable=not tc.progress or None,
+        bar = tqdm(total=tc.max_updates, initial=p.update, disable=not (tc.progress and self.dist.is_main) or None,
                    desc="train", unit="upd", dynamic_ncols=True)
         start = time.perf_counter() - p.elapsed
         window_tokens, window_start = 0, time.perf_counter()
@@ -240,38 +294,55 @@ class Trainer:
                 p.epoch, p.position = group[-1][0], group[-1][1]
                 if p.position == len(self.epoch_batches(p.epoch)):
                     p.epoch, p.position = p.epoch + 1, 0
-                p.update += 1
                 p.elapsed = time.perf_counter() - start
-                if not math.isfinite(stats["loss"]):
-                    raise FloatingPointError(f"non-finite training loss at update {p.update}")
-                window_tokens += stats["tokens"]
-                if p.update % tc.log_every == 0:
+                skipped = bool(stats["skipped"])
+                if skipped:
+                    p.bad_updates += 1
+                    self.record("skip", {"loss": stats["loss"], "gnorm": stats["gnorm"], "bad_updates": p.bad_updates})
+                    log.warning("non-finite loss %s (gradient norm %s) after update %d: update skipped (%d in a row)",
+                                stats["loss"], stats["gnorm"], p.update, p.bad_updates)
+                    if p.bad_updates >= tc.max_bad_updates:
+                        p.stopped = (f"stopped after {p.bad_updates} consecutive non-finite losses (train.max_bad_updates"
+                                     f"={tc.max_bad_updates}): lower lr, use clip_norm, or check the data")
+                        log.error("%s", p.stopped)
+                else:
+                    p.bad_updates = 0
+                    p.update += 1
+                    window_tokens += stats["tokens"]
+                if not skipped and p.update % tc.log_every == 0:
                     self.record("train", {k: stats[k] for k in ("loss", "nll", "lr", "gnorm")})
                     speed = window_tokens / max(time.perf_counter() - window_start, 1e-9)
                     window_tokens, window_start = 0, time.perf_counter()
                     self.record("speed", {"tgt_tokens_per_s": speed})
                     log.info("update %d | epoch %d | loss %.3f | ppl %.2f | lr %.2e | %.0f tok/s", p.update,
                              p.epoch, stats["loss"], math.exp(min(stats["nll"], 50)), stats["lr"], speed)
-                bar.update(1)
+                bar.update(0 if skipped else 1)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", epoch=p.epoch, refresh=False)
                 if tc.max_epochs is not None and p.epoch > tc.max_epochs:
                     p.stopped = f"reached max_epochs={tc.max_epochs}"
-                if tc.max_minutes is not None and p.elapsed >= 60 * tc.max_minutes:
+                # every rank must leave the loop at the same update: agree on the time budget and signals
+                time_up, stop_signal = distributed.all_reduce(
+                    [float(tc.max_minutes is not None and p.elapsed >= 60 * tc.max_minutes), float(interrupted())],
+                    self.device, op="max")
+                if time_up:
                     p.stopped = f"reached max_minutes={tc.max_minutes}"
                 if p.update >= tc.max_updates:
                     p.stopped = f"reached max_updates={tc.max_updates}"
-                if interrupted():
+                if stop_signal:
                     p.stopped = "interrupted (resume with the same command)"
-                due_valid = tc.validate_every and p.update % tc.validate_every == 0
+                due_valid = tc.validate_every and p.update % tc.validate_every == 0 and not skipped
                 is_best = False
-                if self.valid_data is not None and (due_valid or (p.stopped and not interrupted())):
+                if self.valid_data is not None and (due_valid or (p.stopped and not stop_signal)):
                     is_best = self.validate()
-                if is_best or p.stopped or (tc.save_every and p.update % tc.save_every == 0):
+                if is_best or p.stopped or (not skipped and tc.save_every and p.update % tc.save_every == 0):
                     self.save(best=is_best)
         bar.close()
         if self.writer:
             self.writer.flush()
         log.info("training stopped: %s (update %d, %.1f min)", p.stopped, p.update, p.elapsed / 60)
+        if self.dist.enabled:
+            distributed.barrier()  # rank 0 has written its last checkpoint
+            distributed.cleanup()
         return TrainResult(p, self.save_dir, read_log(self.save_dir))
 
     # ---- validation -------------------------------------------------------------------------------
@@ -326,6 +397,25 @@ class Trainer:
         if validation_end is not None and (reason := validation_end(nll)):
             p.stopped = reason
         return improved
+
+
+class _StepModule(torch.nn.Module):
+    """What DDP wraps: the forward pass and loss of one batch on a view of the trained model."""
+
+    def __init__(self, model: EncoderDecoder) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, view: EncoderDecoder, batch: Batch, epsilon: float) -> tuple[torch.Tensor, ...]:
+        return _batch_loss(view, batch, epsilon)
+
+
+def _batch_loss(model: EncoderDecoder, b: Batch, epsilon: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(label-smoothed loss sum, NLL sum, auxiliary loss or None) of one batch."""
+    enc = model.encode(b.src)
+    logits = model.decode(b.tgt_in, enc)
+    loss, nll = label_smoothed_nll(logits, b.tgt_out, epsilon)
+    return loss, nll, model.auxiliary_loss(enc)
 
 
 def read_log(save_dir: str | Path) -> list[dict[str, Any]]:

@@ -175,7 +175,8 @@ def test_summary_layers_bound_every_layer_input() -> None:
 
 def test_dense_attention_1_and_2_have_the_same_parameters() -> None:
     for variant in ("densenmt-2", "densenmt-summary", "layer-groups", "attention-only"):
-        assert count_parameters(make(variant, attention="dense1")) == count_parameters(make(variant, attention="dense2"))
+        one, two = make(variant, attention="dense1"), make(variant, attention="dense2")
+        assert count_parameters(one) == count_parameters(two)
     one, two = make("densenmt-1", encoder_layers=1), make("densenmt-2", encoder_layers=1)
     two.load_state_dict(one.state_dict())  # one source layer: Eq. 9 and Eq. 10 coincide
     src, tgt = batch()

@@ -44,6 +44,7 @@ def test_schedule_state_survives_a_checkpoint() -> None:
     opt2, sched2 = schedule()
     opt2.load_state_dict(optimizer.state_dict())
     sched2.load_state_dict(scheduler.state_dict())
+    opt2.step()
     sched2.step()
     assert opt2.param_groups[0]["lr"] == pytest.approx(0.025)
     sched2.validation_end(3.6)  # a rise relative to the restored previous loss (3.5)

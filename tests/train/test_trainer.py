@@ -68,3 +68,16 @@ def test_checkpoints_are_atomic_safe_and_averageable(copy_data: Path, tmp_path: 
     garbage.write_bytes(b"\x00\xff not a checkpoint")
     with pytest.raises(CheckpointError, match="garbage.pt"):
         Translator.from_checkpoint(garbage)
+
+
+def test_early_stopping_and_gradient_accumulation(copy_data: Path, tmp_path: Path) -> None:
+    # a learning rate of ~0 cannot improve the validation loss: patience 2 stops after the third validation
+    config = tiny_config(copy_data, tmp_path / "stop", max_updates=100, validate_every=3, valid_bleu=False,
+                         lr=1e-12, lr_scheduler="constant", patience=2, early_stop_metric="loss", update_freq=2)
+    trainer = Trainer(config)
+    per_epoch = len(trainer.epoch_batches(1))
+    result = trainer.train()
+    assert result.progress.stopped.startswith("early stopping")
+    assert result.progress.update == 9
+    consumed = (result.progress.epoch - 1) * per_epoch + result.progress.position
+    assert consumed == 2 * 9  # update_freq=2: two batches per update

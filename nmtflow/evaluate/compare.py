@@ -1,0 +1,340 @@
+"""``nmtflow compare EXPERIMENT.yaml``: train several configs under one budget and compare them side by side.
+
+1. the data is prepared once into ``OUT/data`` (cached; the built-in corpus is generated into ``OUT/corpus``);
+2. every (run × seed) trains into ``OUT/runs/NAME/seed-S``, each in its own process by default
+   (``isolate: true``: peak memory is per run and a crash fails only that run); a rerun skips runs with a
+   matching ``finished.json`` and resumes interrupted ones from ``checkpoint_last.pt``;
+3. each run's checkpoint (best, last or the average of the last N) decodes the test set(s); BLEU and chrF;
+4. ``OUT/results.md`` (one table), ``OUT/results.json`` and PNG plots (``nmtflow.evaluate.compare_report``).
+
+See ``nmtflow/evaluate/experiment.py`` for the experiment file and ``nmtflow/evaluate/compare_job.py`` for
+what one run does.
+"""
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import logging
+import shlex
+import signal
+import subprocess
+import sys
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import yaml
+
+from nmtflow.config import Config, ConfigError, load_config, to_dict
+from nmtflow.evaluate.compare_job import (EXIT_INTERRUPTED, FINISHED, Interrupted, read_json, run_job,
+                                          write_json)
+from nmtflow.evaluate.experiment import ExperimentConfig, load_experiment, parse_direction, resolve_config_path
+
+log = logging.getLogger("nmtflow.compare")
+DATA_KEY = "experiment-data.json"
+# config entries that may change without invalidating a trained run (the budget is checked separately)
+VOLATILE = {("train", "save_dir"), ("train", "max_updates"), ("train", "max_epochs"), ("train", "max_minutes"),
+            ("train", "device"), ("train", "threads"), ("train", "progress"), ("train", "keep_checkpoints"),
+            ("data", "path")}
+
+
+@dataclass
+class PreparedData:
+    """The prepared directory and, per split and language, the raw text file (None: detokenise the split)."""
+
+    dir: Path
+    texts: dict[str, dict[str, str | None]] = field(default_factory=dict)
+
+
+@dataclass
+class ComparisonResult:
+    out: Path
+    files: list[Path]
+    runs: list[dict[str, Any]]
+    failed: list[str]
+
+
+# ---- data -----------------------------------------------------------------------------------------------
+def _runs_started(out: Path) -> bool:
+    return any((out / "runs").glob("*/seed-*/checkpoint_last.pt"))
+
+
+def prepare_data(exp: ExperimentConfig, out: Path) -> PreparedData:
+    """Generate / locate the raw text and prepare it once (reused while the data settings are unchanged)."""
+    from nmtflow.data.corpus import CleanConfig
+    from nmtflow.data.prepare import load_meta, prepare
+
+    d = exp.data
+    if d.synthetic is not None:
+        from nmtflow.data.synthetic import generate_corpus
+
+        raw = out / "corpus"
+        s = d.synthetic
+        key = {**to_dict(s), "langs": list(s.langs or d.langs)}
+        if read_json(raw / "corpus.json") != key:
+            log.info("generating the built-in corpus (%d training sentences) in %s", s.n_train, raw)
+            generate_corpus(raw, langs=key["langs"], n_train=s.n_train, n_valid=s.n_valid, n_test=s.n_test,
+                            seed=s.seed)
+            write_json(raw / "corpus.json", key)
+    else:
+        if not d.path:
+            raise ConfigError(f"{exp.file}: data.path: not set; pass --set data.path=DIR (raw PREFIX.LANG files, "
+                              "or a directory written by nmtflow prepare)")
+        raw = Path(d.path)
+        if not raw.is_dir():
+            raise ConfigError(f"{exp.file}: data.path: {raw} is not a directory")
+        if (raw / "meta.json").is_file():  # already prepared: use it as it is
+            meta = load_meta(raw)
+            for split in d.splits:
+                if split not in meta["splits"]:
+                    raise ConfigError(f"{exp.file}: data.splits: {split!r} is not prepared in {raw} "
+                                      f"({', '.join(meta['splits'])})")
+            for lang in d.langs:
+                if lang not in meta["langs"]:
+                    raise ConfigError(f"{exp.file}: data.langs: {lang!r} is not prepared in {raw}")
+            files = meta.get("source_files", {})
+            texts = {split: {lang: f if (f := files.get(split, {}).get(lang)) and Path(f).is_file() else None
+                             for lang in d.langs} for split in d.splits}
+            return PreparedData(raw.resolve(), texts)
+    files = {split: {lang: raw / f"{prefix}.{lang}" for lang in d.langs} for split, prefix in d.splits.items()}
+    for per_lang in files.values():
+        for path in per_lang.values():
+            if not path.is_file():
+                raise ConfigError(f"{exp.file}: data: {path} not found (data.splits maps split names to file "
+                                  "prefixes PREFIX.LANG in data.path)")
+    key = {"langs": d.langs, "splits": d.splits, "vocab_size": d.vocab_size, "joint": d.joint,
+           "lang_tags": d.lang_tags, "max_len": d.max_len, "max_ratio": d.max_ratio,
+           "file_sizes": {f"{s}.{lang}": p.stat().st_size for s, per in files.items() for lang, p in per.items()}}
+    data_dir = out / "data"
+    if not ((data_dir / "meta.json").is_file() and read_json(data_dir / DATA_KEY) == key):
+        if (data_dir / DATA_KEY).is_file() and _runs_started(out):
+            raise ConfigError(f"{out}: its runs were trained on data prepared with other settings "
+                              f"({data_dir / DATA_KEY}); use another --out, or delete {out}")
+        log.info("preparing %s (%s) into %s", raw, ", ".join(d.langs), data_dir)
+        prepare({split: str(raw / prefix) for split, prefix in d.splits.items()}, d.langs, data_dir,
+                vocab_size=d.vocab_size, joint=d.joint, clean=CleanConfig(max_len=d.max_len, max_ratio=d.max_ratio),
+                lang_tags=d.lang_tags)
+        write_json(data_dir / DATA_KEY, key)
+    texts = {split: {lang: str(p.resolve()) for lang, p in per.items()} for split, per in files.items()}
+    return PreparedData(data_dir.resolve(), texts)
+
+
+# ---- planning -------------------------------------------------------------------------------------------
+def fingerprint(config: dict[str, Any]) -> str:
+    """A hash of what defines a trained run: the resolved config without paths, budget and device."""
+    kept = {section: {k: v for k, v in values.items() if (section, k) not in VOLATILE}
+            if isinstance(values, dict) else values for section, values in config.items()}
+    return hashlib.sha1(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def run_config(exp: ExperimentConfig, index: int, seed: int, data: PreparedData, run_dir: Path) -> Config:
+    """The training config of run ``index`` with ``seed``: its file + overrides, then the experiment's settings."""
+    run = exp.runs[index]
+    path = resolve_config_path(run.config, exp.file)
+    try:
+        config = load_config(path, [*exp.overrides, *run.overrides])
+    except ConfigError as exc:
+        raise ConfigError(f"{exp.file}: runs[{index}] ({run.name}): {exc}") from None
+    dc, tc = config.data, config.train
+    dc.path, dc.train_split, dc.valid_split = str(data.dir), "train", "valid"
+    dc.src_lang, dc.tgt_lang = parse_direction(exp.data.directions[0], "data.directions")
+    if dc.multilingual is not None:  # every direction of the experiment, unless the run names its own
+        mc = dc.multilingual
+        mc.pairs = mc.pairs or list(exp.data.directions)
+        mc.zero_shot = mc.zero_shot or list(exp.data.zero_shot)
+        mc.langs = mc.langs or list(exp.data.langs)
+    b = exp.budget
+    tc.save_dir, tc.seed, tc.device = str(run_dir), seed, exp.device
+    tc.max_updates = b.updates if b.updates is not None else 10**9
+    tc.max_epochs, tc.max_minutes = b.epochs, b.minutes
+    if exp.threads:
+        tc.threads = exp.threads
+    if exp.average_last:
+        tc.keep_checkpoints = max(tc.keep_checkpoints, exp.average_last)
+    return config
+
+
+def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
+              plugins: list[str] | None = None) -> list[dict[str, Any]]:
+    """One job per (run, seed), in run order; fails early if a run directory holds another config's run."""
+    jobs = []
+    search = exp.decode.search_overrides()
+    for index, run in enumerate(exp.runs):
+        for seed in exp.seeds:
+            run_dir = (out / "runs" / run.name / f"seed-{seed}").resolve()
+            config = run_config(exp, index, seed, data, run_dir)
+            config_dict = to_dict(config)
+            fp = fingerprint(config_dict)
+            old = run_dir / "run.yaml"
+            if old.is_file() and (run_dir / "checkpoint_last.pt").is_file():
+                previous = yaml.safe_load(old.read_text(encoding="utf-8")) or {}
+                if fingerprint(previous) != fp:
+                    a, b = _flat(previous), _flat(config_dict)
+                    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)
+                                     and tuple(k.split(".")[:2]) not in VOLATILE)
+                    raise ConfigError(f"{run_dir} holds a run trained with another config (changed: "
+                                      f"{', '.join(changed[:5]) or '?'}); use another --out or delete that directory")
+            multilingual = config.data.multilingual is not None
+            directions = list(exp.data.directions) + list(exp.data.zero_shot) if multilingual else \
+                [exp.data.directions[0]]
+            items = []
+            for test_set in exp.test_sets:
+                for direction in directions:
+                    src, tgt = parse_direction(direction, "data.directions")
+                    if src == tgt:
+                        continue
+                    texts = data.texts.get(test_set, {})
+                    items.append({"key": f"{test_set} {direction}", "test_set": test_set, "direction": direction,
+                                  "src": src, "tgt": tgt, "src_file": texts.get(src), "ref_file": texts.get(tgt),
+                                  "data_dir": str(data.dir), "split": test_set})
+            ev = {"checkpoint": exp.checkpoint, "average_last": exp.average_last, "search": search,
+                  "max_sentences": exp.decode.max_sentences, "items": items}
+            eval_key = hashlib.sha1(json.dumps({**ev, "items": [i["key"] for i in items]}, sort_keys=True)
+                                    .encode()).hexdigest()[:16]
+            jobs.append({"run": run.name, "seed": seed, "dir": str(run_dir), "config": str(run_dir / "run.yaml"),
+                         "config_source": str(resolve_config_path(run.config, exp.file)),
+                         "fingerprint": fp, "budget": to_dict(exp.budget), "eval": ev, "eval_key": eval_key,
+                         "multilingual": multilingual, "device": exp.device, "threads": exp.threads,
+                         "plugins": list(plugins or []), "_config": config_dict})
+    return jobs
+
+
+def finished_result(job: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's ``finished.json`` if it belongs to this config, budget and evaluation."""
+    done = read_json(Path(job["dir"]) / FINISHED)
+    if done and all(done.get(k) == job[k] for k in ("fingerprint", "budget", "eval_key")):
+        return done
+    return None
+
+
+# ---- running --------------------------------------------------------------------------------------------
+@contextmanager
+def _forward_signals(proc: subprocess.Popen) -> Iterator[Callable[[], bool]]:
+    """SIGINT/SIGTERM to the comparison go to the run's process (which saves and exits) and stop the loop."""
+    hit = {"flag": False}
+
+    def handler(signum: int, frame: Any) -> None:
+        hit["flag"] = True
+        proc.send_signal(signum)
+
+    previous = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread
+        previous = {}
+    try:
+        yield lambda: hit["flag"]
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+def _run_isolated(job_file: Path, run_dir: Path) -> tuple[int, bool]:
+    """Run one job in a child process, echoing its output and appending it to ``train.log``."""
+    cmd = [sys.executable, "-m", "nmtflow.evaluate.compare_job", str(job_file)]
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    with open(run_dir / "train.log", "ab") as logf:
+        # a session of its own: a terminal's Ctrl-C reaches only the comparison, which forwards it once
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        assert proc.stdout is not None
+        with _forward_signals(proc) as stopped:
+            while chunk := proc.stdout.read1(1 << 16):
+                logf.write(chunk)
+                sys.stderr.write(decoder.decode(chunk))
+                sys.stderr.flush()
+            rc = proc.wait()
+    return rc, stopped()
+
+
+def _log_tail(run_dir: Path) -> str:
+    """The last line of the run's output (the error, for a failed run) and where the rest is."""
+    try:
+        text = (run_dir / "train.log").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "no output"
+    tail = [ln.strip() for ln in text.replace("\r", "\n").splitlines() if ln.strip()]
+    return f"{tail[-1] if tail else 'no output'} (see {run_dir / 'train.log'})"
+
+
+def execute(job: dict[str, Any], isolate: bool) -> tuple[str, dict[str, Any] | None, str]:
+    """(status: done | failed | interrupted, finished.json, error message) of one job."""
+    run_dir = Path(job["dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.yaml").write_text(yaml.safe_dump(job["_config"], sort_keys=False, allow_unicode=True),
+                                      encoding="utf-8")
+    job_file = run_dir / "job.json"
+    write_json(job_file, {k: v for k, v in job.items() if k != "_config"})
+    if not isolate:
+        try:
+            return "done", run_job(job), ""
+        except Interrupted as exc:
+            return "interrupted", None, str(exc)
+        except Exception as exc:  # one failed run must not end the comparison
+            (run_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+            return "failed", None, f"{type(exc).__name__}: {exc}"
+    rc, stopped = _run_isolated(job_file, run_dir)
+    if rc == EXIT_INTERRUPTED or stopped:
+        return "interrupted", None, "interrupted"
+    if rc != 0:
+        return "failed", None, f"exit status {rc}: {_log_tail(run_dir)}"
+    done = read_json(run_dir / FINISHED)
+    return ("done", done, "") if done else ("failed", None, f"no {FINISHED} written: {_log_tail(run_dir)}")
+
+
+def run_comparison(experiment: str | Path, out: str | Path | None = None, overrides: list[str] | None = None,
+                   plugins: list[str] | None = None) -> ComparisonResult:
+    """Run (or continue) a comparison and write its report; raises KeyboardInterrupt if it was interrupted."""
+    from nmtflow.evaluate.compare_report import write_report
+
+    overrides, plugins = list(overrides or []), list(plugins or [])
+    exp = load_experiment(experiment, overrides)
+    out = Path(out) if out else Path("runs") / f"compare-{exp.name}"
+    command = shlex.join(["nmtflow", *[a for p in plugins for a in ("--plugin", p)], "compare", str(experiment),
+                          "--out", str(out), *[a for o in overrides for a in ("--set", o)]])
+    out.mkdir(parents=True, exist_ok=True)
+    data = prepare_data(exp, out)
+    jobs = plan_jobs(exp, out, data, plugins)
+    log.info("comparing %d runs × %d seeds (%s) in %s", len(exp.runs), len(exp.seeds), exp.budget.describe(), out)
+    outcomes: list[dict[str, Any]] = []
+    interrupted = False
+    for n, job in enumerate(jobs, 1):
+        label = f"[{n}/{len(jobs)}] {job['run']} (seed {job['seed']})"
+        done = finished_result(job)
+        if done is not None:
+            log.info("%s: finished earlier, skipped (%s)", label, Path(job["dir"]) / FINISHED)
+            outcomes.append({**job, "status": "done", "result": done, "error": ""})
+            continue
+        log.info("%s: training and decoding in %s", label, job["dir"])
+        status, result, error = execute(job, exp.isolate)
+        outcomes.append({**job, "status": status, "result": result, "error": error})
+        if status == "failed":
+            log.error("%s failed: %s", label, error)
+        elif status == "interrupted":
+            interrupted = True
+            log.warning("%s interrupted; rerun the same command to continue", label)
+            break
+        else:
+            scores = next(iter(result["scores"].values()), {})
+            log.info("%s: BLEU %.2f, chrF %.2f", label, scores.get("bleu", float("nan")),
+                     scores.get("chrf", float("nan")))
+    for job in jobs[len(outcomes):]:
+        outcomes.append({**job, "status": "not run", "result": None, "error": "not run yet (interrupted)"})
+    files, runs = write_report(exp, out, outcomes, command=command)
+    failed = [f"{o['run']} seed {o['seed']}" for o in outcomes if o["status"] == "failed"]
+    log.info("wrote %s", ", ".join(str(f) for f in files))
+    if interrupted:
+        raise KeyboardInterrupt
+    return ComparisonResult(out, files, runs, failed)

@@ -1,0 +1,216 @@
+"""One (run, seed) of ``nmtflow compare``: train (resuming), average, decode the test sets, score.
+
+The comparison runs each job in its own process (``python -m nmtflow.evaluate.compare_job JOB.json``), so
+peak memory is the run's own and a crash cannot take the comparison down; with ``isolate: false`` the same
+:func:`run_job` runs in the comparison's process. Files in the run directory:
+
+* ``run.yaml``: the resolved training config (``nmtflow train run.yaml`` trains the same run);
+* ``job.json``: what to do, written by the comparison;
+* ``trained.json``: training reached this budget (a rerun does not train again, it only decodes);
+* ``finished.json``: the marker of a finished run, with its training and test results (a rerun skips it);
+* ``hyp.TEST.SRC-TGT.txt``: the test translations; ``train.log``: the process's output.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+from typing import Any, Callable
+
+import torch
+
+TRAINED, FINISHED = "trained.json", "finished.json"
+EXIT_INTERRUPTED = 3
+log = logging.getLogger("nmtflow.compare")
+
+
+class Interrupted(Exception):
+    """Training was stopped by a signal (it saved a checkpoint; the next run of the comparison resumes it)."""
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process (``ru_maxrss``) in MiB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
+
+
+def train_tokens_per_s(save_dir: str | Path) -> float | None:
+    """Mean of the run's logged training speeds (target tokens/s, one value per ``log_every`` window)."""
+    from nmtflow.train.trainer import read_log
+
+    speeds = [e["tgt_tokens_per_s"] for e in read_log(save_dir) if e.get("kind") == "speed"]
+    return mean(speeds) if speeds else None
+
+
+def read_lines(path: str | Path) -> list[str]:
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [ln.rstrip("\r") for ln in lines]
+
+
+def train(config: Any) -> Any:
+    """Train ``config`` (resuming from ``checkpoint_last.pt``) with the trainer ``nmtflow train`` would pick."""
+    from nmtflow.train.trainer import Trainer
+
+    trainer_cls = Trainer
+    if config.data.multilingual is not None:
+        from nmtflow.train.multilingual import MultilingualTrainer
+
+        trainer_cls = MultilingualTrainer
+    return trainer_cls(config).train()
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """Train unless ``trained.json`` matches, then decode and score; writes and returns ``finished.json``."""
+    from nmtflow.config import load_config
+    from nmtflow.train.trainer import resolve_device
+
+    run_dir = Path(job["dir"])
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
+    cuda = resolve_device(job["device"]).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trained = read_json(run_dir / TRAINED)
+    if not (trained and trained["fingerprint"] == job["fingerprint"] and trained["budget"] == job["budget"]):
+        result = train(load_config(job["config"]))
+        if result.progress.stopped.startswith("interrupted"):
+            raise Interrupted(result.progress.stopped)
+        p = result.progress
+        trained = {"fingerprint": job["fingerprint"], "budget": job["budget"], "update": p.update, "epoch": p.epoch,
+                   "stopped": p.stopped, "train_seconds": p.elapsed, "train_tokens_per_s": train_tokens_per_s(run_dir),
+                   "peak_rss_mb": max(peak_rss_mb(), (trained or {}).get("peak_rss_mb") or 0.0),
+                   "cuda_peak_mb": torch.cuda.max_memory_allocated() / (1 << 20) if cuda else None}
+        write_json(run_dir / TRAINED, trained)
+    evaluation = evaluate(job)
+    finished = {**trained, **evaluation, "eval_key": job["eval_key"],
+                "peak_rss_mb": max(peak_rss_mb(), trained["peak_rss_mb"]),
+                "cuda_peak_mb": max(torch.cuda.max_memory_allocated() / (1 << 20),
+                                    trained["cuda_peak_mb"] or 0.0) if cuda else None}
+    write_json(run_dir / FINISHED, finished)
+    return finished
+
+
+def checkpoint_to_decode(run_dir: Path, choice: str, average_last: int | None) -> tuple[Path, list[str]]:
+    """(checkpoint file, the periodic checkpoints averaged into it) for ``best``, ``last`` or ``averaged``."""
+    from nmtflow.train.checkpoint import average_checkpoints, periodic_checkpoints, save_atomic
+
+    last, best = run_dir / "checkpoint_last.pt", run_dir / "checkpoint_best.pt"
+    if choice == "averaged":
+        found = periodic_checkpoints(run_dir)[-(average_last or 1):]
+        if found:
+            save_atomic(average_checkpoints(found), run_dir / "averaged.pt")
+            return run_dir / "averaged.pt", [p.name for p in found]
+        log.warning("%s: no periodic checkpoints to average (budget below train.save_every?); decoding %s",
+                    run_dir, last.name)
+        return last, []
+    if choice == "best" and best.is_file():
+        return best, []
+    return last, []
+
+
+def load_texts(item: dict[str, Any], max_sentences: int | None) -> tuple[list[str], list[str]]:
+    """Source and reference sentences of a test set: the raw files, else the prepared split detokenised."""
+    if item["src_file"] and item["ref_file"]:
+        src, ref = read_lines(item["src_file"]), read_lines(item["ref_file"])
+        if len(src) != len(ref):
+            raise ValueError(f"{item['src_file']} has {len(src)} lines but {item['ref_file']} has {len(ref)}")
+    else:
+        from nmtflow.data.prepare import load_meta, load_split, load_tokenizer
+
+        meta = load_meta(item["data_dir"])
+        sides = []
+        for lang in (item["src"], item["tgt"]):
+            tok = load_tokenizer(item["data_dir"], lang, meta)
+            rows = load_split(item["data_dir"], item["split"], lang, meta)
+            sides.append([tok.decode(rows[i].tolist()) for i in range(len(rows))])
+        src, ref = sides
+    n = len(src) if max_sentences is None else min(len(src), max_sentences)
+    return src[:n], ref[:n]
+
+
+def evaluate(job: dict[str, Any]) -> dict[str, Any]:
+    """Decode every test item with the chosen checkpoint; BLEU, chrF, sentences/s and parameters."""
+    from nmtflow.decode.translate import Translator
+    from nmtflow.evaluate.metrics import bleu, chrf
+    from nmtflow.models.base import count_parameters
+    from nmtflow.train.trainer import resolve_device
+
+    ev, run_dir = job["eval"], Path(job["dir"])
+    device = resolve_device(job["device"])
+    path, averaged = checkpoint_to_decode(run_dir, ev["checkpoint"], ev["average_last"])
+    translator_for: Callable[[str, str], Translator]
+    if job["multilingual"]:
+        from nmtflow.decode.multilingual import load_multilingual
+
+        ckpt = load_multilingual(path, device)
+        decode = dataclasses.replace(ckpt.config.decode, **ev["search"])
+        model, translator_for = ckpt.model, lambda s, t: ckpt.translator(s, t, decode)
+    else:
+        translator = Translator.from_checkpoint(path, device)
+        translator.decode = dataclasses.replace(translator.decode, **ev["search"])
+        model, translator_for = translator.model, lambda s, t: translator
+    scores: dict[str, dict[str, Any]] = {}
+    for item in ev["items"]:
+        src, ref = load_texts(item, ev["max_sentences"])
+        start = time.perf_counter()
+        hyps = [nbest[0][0] for nbest in translator_for(item["src"], item["tgt"]).translate(src)]
+        seconds = time.perf_counter() - start
+        hyp_file = run_dir / f"hyp.{item['test_set']}.{item['direction']}.txt"
+        hyp_file.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+        b, c = bleu(hyps, ref), chrf(hyps, ref)
+        scores[item["key"]] = {"bleu": b.score, "chrf": c.score, "sentences": len(src), "decode_seconds": seconds,
+                               "bleu_signature": b.signature, "chrf_signature": c.signature,
+                               "hypotheses": hyp_file.name}
+        log.info("%s %s: BLEU %.2f, chrF %.2f (%d sentences, %.1f sentences/s)", run_dir, item["key"], b.score,
+                 c.score, len(src), len(src) / max(seconds, 1e-9))
+    sentences = sum(s["sentences"] for s in scores.values())
+    seconds = sum(s["decode_seconds"] for s in scores.values())
+    return {"checkpoint": path.name, "averaged_from": averaged, "parameters": count_parameters(model),
+            "scores": scores, "decode_sentences_per_s": sentences / seconds if seconds > 0 else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nmtflow.evaluate.compare_job JOB.json``: exit 0 done, 3 interrupted, 1 failed."""
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    sys.path.insert(0, os.getcwd())
+    for module in job.get("plugins", []):
+        importlib.import_module(module)
+    try:
+        run_job(job)
+    except Interrupted as exc:
+        log.warning("%s: %s", job["dir"], exc)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # the traceback goes to train.log; the last line is what the comparison reports
+        log.exception("run failed")
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

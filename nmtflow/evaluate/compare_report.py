@@ -1,0 +1,222 @@
+"""The report of ``nmtflow compare``: ``results.md`` (one table), ``results.json`` and PNG plots.
+
+Per run, over its seeds: BLEU and chrF as mean ± sample standard deviation, the other columns as means
+(peak memory: the maximum). Train tokens/s is the mean of the speeds the trainer logged (target tokens per
+second, one value per ``train.log_every`` updates); decode sentences/s is test sentences over decoding
+time; wall time is the training loop's wall-clock time (validation included, resumed sessions summed).
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+from pathlib import Path
+from statistics import mean, stdev
+from typing import Any
+
+from nmtflow.config import to_dict
+from nmtflow.evaluate.compare_job import write_json
+from nmtflow.evaluate.experiment import ExperimentConfig
+
+PLOTS = ("valid_bleu.png", "valid_loss.png", "bleu_vs_parameters.png")
+
+
+def machine_info(device: str, threads: int | None) -> dict[str, Any]:
+    import torch
+
+    from nmtflow.train.trainer import resolve_device
+
+    resolved = resolve_device(device)
+    info = {"system": platform.system(), "arch": platform.machine(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__, "device": str(resolved),
+            "threads": threads or torch.get_num_threads()}
+    if resolved.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(resolved)
+    return info
+
+
+def _stats(values: list[float]) -> dict[str, Any] | None:
+    if not values:
+        return None
+    return {"mean": mean(values), "std": stdev(values) if len(values) > 1 else 0.0, "n": len(values),
+            "values": values}
+
+
+def _mean(values: list[Any]) -> float | None:
+    values = [v for v in values if v is not None]
+    return mean(values) if values else None
+
+
+def summarize(exp: ExperimentConfig, outcomes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per run: aggregated metrics over its finished seeds, plus every seed's details."""
+    runs = []
+    for spec in exp.runs:
+        mine = [o for o in outcomes if o["run"] == spec.name]
+        done = [o["result"] for o in mine if o["status"] == "done" and o["result"]]
+        keys = list(dict.fromkeys(k for r in done for k in r["scores"]))
+        scores = {k: {m: _stats([r["scores"][k][m] for r in done if k in r["scores"]]) for m in ("bleu", "chrf")}
+                  for k in keys}
+        cuda = [r["cuda_peak_mb"] for r in done if r.get("cuda_peak_mb") is not None]
+        runs.append({
+            "name": spec.name, "config": spec.config, "overrides": spec.overrides,
+            "status": "done" if done and len(done) == len(mine) else ("partial" if done else mine[0]["status"]),
+            "parameters": done[0]["parameters"] if done else None,
+            "scores": scores,
+            "train_tokens_per_s": _mean([r.get("train_tokens_per_s") for r in done]),
+            "decode_sentences_per_s": _mean([r.get("decode_sentences_per_s") for r in done]),
+            "peak_memory_mb": max(cuda) if cuda else max((r["peak_rss_mb"] for r in done), default=None),
+            "peak_memory_kind": "cuda" if cuda else "rss",
+            "train_seconds": _mean([r.get("train_seconds") for r in done]),
+            "updates": _mean([r.get("update") for r in done]),
+            "seeds": [{"seed": o["seed"], "status": o["status"], "dir": o["dir"], "error": o["error"],
+                       "result": o["result"]} for o in mine],
+        })
+    return runs
+
+
+def _fmt_score(s: dict[str, Any] | None, runs_seeds: int, with_std: bool = True) -> str:
+    if not s:
+        return "–"
+    text = f"{s['mean']:.2f}" + (f" ± {s['std']:.2f}" if with_std and runs_seeds > 1 else "")
+    return text + (f" (n={s['n']})" if s["n"] < runs_seeds else "")
+
+
+def _fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def _fmt(value: float | None, spec: str, unit: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{unit}"
+
+
+def markdown_table(exp: ExperimentConfig, runs: list[dict[str, Any]]) -> str:
+    keys = list(dict.fromkeys(k for r in runs for k in r["scores"]))
+    multi = len(keys) > 1
+    n = len(exp.seeds)
+    bleu_head = "BLEU (mean ± std)" if n > 1 else "BLEU"
+    head = ["run"] + [c for k in keys for c in ((f"{bleu_head} {k}", f"chrF {k}") if multi else (bleu_head, "chrF"))]
+    if not keys:
+        head += [bleu_head, "chrF"]
+    head += ["parameters", "train tok/s", "decode sent/s", "peak memory", "wall time"]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    for r in runs:
+        if r["status"] not in ("done", "partial"):
+            cells = [f"{r['status']}"] + ["–"] * (len(head) - 2)
+        else:
+            cells = []
+            for k in keys or [None]:
+                s = r["scores"].get(k, {}) if k else {}
+                cells += [_fmt_score(s.get("bleu"), n), _fmt_score(s.get("chrf"), n, with_std=False)]
+            mem_unit = " MB" + (" (CUDA)" if r["peak_memory_kind"] == "cuda" else "")
+            cells += [_fmt(r["parameters"], ","), _fmt(r["train_tokens_per_s"], ",.0f"),
+                      _fmt(r["decode_sentences_per_s"], ",.1f"), _fmt(r["peak_memory_mb"], ",.0f", mem_unit),
+                      _fmt_time(r["train_seconds"])]
+        lines.append("| " + " | ".join([r["name"], *cells]) + " |")
+    return "\n".join(lines)
+
+
+def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]], *,
+                 command: str) -> tuple[list[Path], list[dict[str, Any]]]:
+    """Write results.md, results.json and the plots; returns (files, per-run summaries)."""
+    runs = summarize(exp, outcomes)
+    machine = machine_info(exp.device, exp.threads)
+    date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    d = exp.data
+    source = "the built-in synthetic corpus" if d.synthetic else f"`{d.path}`"
+    evals = ", ".join(f"`{t}`" + (f" (`{d.splits[t]}`)" if not d.synthetic else "") for t in exp.test_sets)
+    search = exp.decode.search_overrides()
+    memory = ("peak memory: each run's own process (ru_maxrss; CUDA: torch's peak allocation)" if exp.isolate else
+              "peak memory: process-wide ru_maxrss of one process shared by all runs (isolate: false), "
+              "so later runs include earlier ones")
+    header = [
+        f"# Comparison: {exp.name}", "",
+        *([exp.description.strip(), ""] if exp.description else []),
+        f"- command: `{command}`",
+        f"- date: {date}",
+        f"- machine: {machine['system']} {machine['arch']}, {machine['cpus']} CPUs, torch {machine['torch']}, "
+        f"device {machine['device']}" + (f" ({machine['gpu']})" if "gpu" in machine else "")
+        + f", torch threads {machine['threads']}",
+        f"- budget: {exp.budget.describe()}; seeds: {', '.join(map(str, exp.seeds))}",
+        f"- data: {source}, {', '.join(d.directions)}"
+        + (f" (zero-shot {', '.join(d.zero_shot)})" if d.zero_shot else "") + f"; test set(s): {evals}",
+        f"- decoding: checkpoint `{exp.checkpoint}`" + (f" (average of the last {exp.average_last})"
+                                                        if exp.checkpoint == "averaged" else "")
+        + (", " + ", ".join(f"{k} {v}" for k, v in search.items()) if search else ", each run's decode settings")
+        + (f", first {exp.decode.max_sentences} sentences" if exp.decode.max_sentences else ""),
+        f"- {memory}; wall time: training loop (validation included)", "",
+    ]
+    failures = [f"- {r['name']} seed {s['seed']}: {s['status']}: {s['error']}" for r in runs for s in r["seeds"]
+                if s["status"] != "done"]
+    body = [markdown_table(exp, runs), ""] + (["Not finished:", "", *failures, ""] if failures else [])
+    files = [out / "results.md", out / "results.json"]
+    files[0].write_text("\n".join(header + body), encoding="utf-8")
+    write_json(files[1], _finite({"experiment": exp.name, "file": exp.file, "command": command, "date": date,
+                                  "machine": machine, "settings": to_dict(exp), "runs": runs}))
+    files += plot_comparison(out, runs)
+    return files, runs
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def validation_curves(run: dict[str, Any], metric: str) -> tuple[list[int], list[float]]:
+    """Validation ``metric`` per update, averaged over the run's seeds."""
+    from nmtflow.train.trainer import read_log
+
+    by_update: dict[int, list[float]] = {}
+    for s in run["seeds"]:
+        for e in read_log(s["dir"]):
+            if e.get("kind") == "valid" and metric in e:
+                by_update.setdefault(e["update"], []).append(e[metric])
+    updates = sorted(by_update)
+    return updates, [mean(by_update[u]) for u in updates]
+
+
+def plot_comparison(out: Path, runs: list[dict[str, Any]]) -> list[Path]:
+    """valid_bleu.png and valid_loss.png (one line per run) and bleu_vs_parameters.png."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    def _save(fig: Figure, path: Path) -> None:
+        FigureCanvasAgg(fig)
+        fig.savefig(path, dpi=120)
+
+    paths = []
+    for name, metric, ylabel in (("valid_bleu.png", "bleu", "validation BLEU"),
+                                 ("valid_loss.png", "nll", "validation loss (NLL per token)")):
+        fig = Figure(figsize=(6.5, 4), layout="constrained")
+        ax = fig.subplots()
+        for r in runs:
+            xs, ys = validation_curves(r, metric)
+            if xs:
+                ax.plot(xs, ys, marker="o", markersize=3, label=r["name"])
+        ax.set(xlabel="update", ylabel=ylabel, title=f"{ylabel} (mean over seeds)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+        _save(fig, out / name)
+        paths.append(out / name)
+    fig = Figure(figsize=(6.5, 4), layout="constrained")
+    ax = fig.subplots()
+    for i, r in enumerate(runs):
+        s = next(iter(r["scores"].values()), {}).get("bleu")
+        if s and r["parameters"]:
+            ax.errorbar([r["parameters"]], [s["mean"]], yerr=[s["std"]], fmt="o", capsize=3, color=f"C{i % 10}")
+            ax.annotate(r["name"], (r["parameters"], s["mean"]), textcoords="offset points", xytext=(4, 4),
+                        fontsize="small")
+    key = next((k for r in runs for k in r["scores"]), "")
+    ax.set(xlabel="parameters", ylabel=f"BLEU {key}".strip(), title="BLEU vs parameters")
+    ax.grid(alpha=0.3)
+    _save(fig, out / "bleu_vs_parameters.png")
+    paths.append(out / "bleu_vs_parameters.png")
+    return paths

@@ -1,0 +1,231 @@
+"""Experiment files for ``nmtflow compare``: typed dataclasses, loaded as strictly as model configs.
+
+An experiment names one dataset, the runs to compare, one budget that every run gets, seeds, checkpoint
+averaging, decode settings and test sets::
+
+    name: lexical-shortcuts
+    data: {path: data/multi30k, langs: [en, de], directions: [en-de], vocab_size: 8000,
+           splits: {train: train, valid: val}}
+    overrides: [model.encoder_layers=3, model.decoder_layers=3]   # applied to every run first
+    runs:
+      - {name: baseline, config: transformer-small}                # a preset name from configs/ ...
+      - {name: shortcuts, config: ../configs/shortcuts-small.yaml} # ... or a file relative to this one
+    budget: {updates: 4000}                                        # and/or epochs, minutes
+    seeds: [1, 2, 3]
+    average_last: 5
+    decode: {beam_size: 5}
+    test_sets: [valid]
+
+Unknown keys are errors that name the file and the key; ``base: other.yaml`` inherits as in model configs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nmtflow.config import ConfigError, apply_overrides, coerce, parse_override, read_yaml
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# keys the experiment sets for every run (the budget must be equal; seeds and data are the experiment's)
+RESERVED_KEYS = ("train.max_updates", "train.max_epochs", "train.max_minutes", "train.seed", "train.save_dir",
+                 "data.path", "data.src_lang", "data.tgt_lang", "data.train_split", "data.valid_split")
+
+
+def parse_direction(text: str, where: str) -> tuple[str, str]:
+    """``en-de`` (or ``en>de`` for codes containing '-') → ("en", "de")."""
+    parts = text.split(">") if ">" in text else text.split("-")
+    if len(parts) != 2 or not all(p.strip() for p in parts):
+        raise ConfigError(f"{where}: direction {text!r}: expected SRC-TGT, e.g. en-de")
+    return parts[0].strip(), parts[1].strip()
+
+
+@dataclass
+class SyntheticData:
+    """The built-in corpus (``nmtflow.data.synthetic.generate_corpus``) as the data source."""
+
+    n_train: int = 20000
+    n_valid: int = 500
+    n_test: int = 500
+    langs: list[str] = field(default_factory=list)  # default: data.langs
+    seed: int = 1234
+
+
+@dataclass
+class ExperimentData:
+    """The dataset: raw ``PREFIX.LANG`` files (prepared once, cached), a prepared directory, or synthetic."""
+
+    path: str = ""  # raw directory or one written by `nmtflow prepare`; relative to the current directory
+    synthetic: SyntheticData | None = None  # instead of path: generate the built-in corpus
+    langs: list[str] = field(default_factory=list)  # default: the languages of directions
+    directions: list[str] = field(default_factory=lambda: ["en-de"])  # first: the direction of bilingual runs
+    zero_shot: list[str] = field(default_factory=list)  # multilingual runs: held out of training, still tested
+    splits: dict[str, str] = field(default_factory=lambda: {"train": "train", "valid": "valid", "test": "test"})
+    vocab_size: int = 8000
+    joint: bool = True
+    lang_tags: bool = False  # reserve <2xx> tags (language-label models)
+    max_len: int = 250  # cleaning of the training split
+    max_ratio: float = 3.0
+
+    def validate(self, where: str) -> None:
+        if not self.directions:
+            raise ConfigError(f"{where}.directions: name at least one direction, e.g. [en-de]")
+        pairs = [parse_direction(d, f"{where}.directions") for d in self.directions]
+        pairs += [parse_direction(d, f"{where}.zero_shot") for d in self.zero_shot]
+        if not self.langs:
+            self.langs = list(dict.fromkeys(lang for pair in pairs for lang in pair))
+        for lang in {lang for pair in pairs for lang in pair}:
+            if lang not in self.langs:
+                raise ConfigError(f"{where}.langs: {lang!r} is used by a direction but not listed")
+        for name in ("train", "valid"):
+            if name not in self.splits:
+                raise ConfigError(f"{where}.splits: needs a {name!r} split (name: file prefix)")
+        if self.synthetic is not None and self.path:
+            raise ConfigError(f"{where}: give either path or synthetic, not both")
+
+
+@dataclass
+class RunSpec:
+    """One system of the comparison: a model config (file or preset name) plus ``KEY=VALUE`` overrides."""
+
+    name: str = ""
+    config: str = ""
+    overrides: list[str] = field(default_factory=list)
+
+    def validate(self, where: str) -> None:
+        if not self.name or any(c.isspace() or c in "/\\" for c in self.name) or self.name.startswith("."):
+            raise ConfigError(f"{where}.name: {self.name!r} is not a usable run name (no spaces or slashes)")
+        if not self.config:
+            raise ConfigError(f"{where}.config: missing (a config file or a preset name from configs/)")
+        check_overrides(self.overrides, f"{where}.overrides")
+
+
+@dataclass
+class Budget:
+    """The training budget every run gets; training stops at whichever limit is reached first."""
+
+    updates: int | None = None
+    epochs: int | None = None
+    minutes: float | None = None
+
+    def validate(self, where: str) -> None:
+        if self.updates is None and self.epochs is None and self.minutes is None:
+            raise ConfigError(f"{where}: set updates, epochs or minutes (the equal budget of every run)")
+
+    def describe(self) -> str:
+        parts = ([f"{self.updates} updates"] if self.updates is not None else []) + \
+                ([f"{self.epochs} epochs"] if self.epochs is not None else []) + \
+                ([f"{self.minutes:g} minutes"] if self.minutes is not None else [])
+        return " or ".join(parts) + " per run" + (" (whichever comes first)" if len(parts) > 1 else "")
+
+
+@dataclass
+class DecodeSettings:
+    """Test-set decoding; unset fields keep each run's own ``decode`` section."""
+
+    checkpoint: str | None = None  # best | last | averaged (default: averaged with average_last, else best)
+    beam_size: int | None = None
+    len_penalty: float | None = None
+    max_len_a: float | None = None
+    max_len_b: int | None = None
+    greedy: bool | None = None
+    max_tokens: int | None = None  # source tokens per decoding batch
+    max_sentences: int | None = None  # decode only the first N sentences of each test set
+
+    def search_overrides(self) -> dict[str, Any]:
+        keys = ("beam_size", "len_penalty", "max_len_a", "max_len_b", "greedy", "max_tokens")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+@dataclass
+class ExperimentConfig:
+    """A whole comparison (see the module docstring)."""
+
+    name: str = ""
+    description: str = ""
+    data: ExperimentData = field(default_factory=ExperimentData)
+    overrides: list[str] = field(default_factory=list)  # every run, before its own overrides
+    runs: list[RunSpec] = field(default_factory=list)
+    budget: Budget = field(default_factory=Budget)
+    seeds: list[int] = field(default_factory=lambda: [1])
+    average_last: int | None = None  # average the last N periodic checkpoints of each run
+    decode: DecodeSettings = field(default_factory=DecodeSettings)
+    test_sets: list[str] = field(default_factory=lambda: ["test"])  # split names (keys of data.splits)
+    device: str = "auto"
+    threads: int | None = None  # torch CPU threads of each run (training and decoding)
+    isolate: bool = True  # train and decode each run in its own process
+    file: str = field(default="", init=False)  # where it was read from (set by load_experiment)
+
+    def validate(self, where: str) -> None:
+        if not self.runs:
+            raise ConfigError(f"{where}: runs: list at least one run")
+        names = [r.name for r in self.runs]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup:
+            raise ConfigError(f"{where}: runs: the name {dup!r} is used twice")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(f"{where}: seeds: give one or more distinct seeds, e.g. [1, 2, 3]")
+        check_overrides(self.overrides, f"{where}: overrides")
+        if self.average_last is not None and self.average_last < 1:
+            raise ConfigError(f"{where}: average_last: must be >= 1 (or null for no averaging)")
+        choice = self.decode.checkpoint
+        if choice not in (None, "best", "last", "averaged"):
+            raise ConfigError(f"{where}: decode.checkpoint: {choice!r} (known: best, last, averaged)")
+        if choice == "averaged" and self.average_last is None:
+            raise ConfigError(f"{where}: decode.checkpoint: 'averaged' needs average_last")
+        if not self.test_sets:
+            raise ConfigError(f"{where}: test_sets: name at least one split of data.splits")
+        for name in self.test_sets:
+            if name not in self.data.splits:
+                raise ConfigError(f"{where}: test_sets: {name!r} is not a split of data.splits "
+                                  f"({', '.join(self.data.splits)})")
+
+    @property
+    def checkpoint(self) -> str:
+        """The checkpoint decoded: ``best``, ``last`` or ``averaged``."""
+        return self.decode.checkpoint or ("averaged" if self.average_last else "best")
+
+
+def check_overrides(overrides: list[str], where: str) -> None:
+    """``KEY=VALUE`` syntax, and none of the keys the experiment sets for every run."""
+    for text in overrides:
+        try:
+            keys, _ = parse_override(text)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if ".".join(keys) in RESERVED_KEYS:
+            raise ConfigError(f"{where}: {text!r}: {'.'.join(keys)} is set by the experiment for every run "
+                              "(budget, seeds, data), not per run")
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read, override (``a.b=c``) and type-check an experiment file; errors name the file and key."""
+    path = Path(path)
+    raw = apply_overrides(read_yaml(path), list(overrides or []))
+    hints = typing.get_type_hints(ExperimentConfig)
+    known = [f.name for f in dataclasses.fields(ExperimentConfig) if f.init]
+    unknown = [k for k in raw if k not in known]
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (known: base, {', '.join(known)})")
+    exp = ExperimentConfig(**{k: coerce(hints[k], v, f"{path}: {k}") for k, v in raw.items()})
+    exp.validate(str(path))
+    exp.name = exp.name or path.stem
+    exp.file = str(path)
+    return exp
+
+
+def resolve_config_path(spec: str, experiment_file: str | Path) -> Path:
+    """A run's ``config``: a file relative to the experiment file, or a preset name from configs/."""
+    here = Path(experiment_file).parent
+    if spec.endswith((".yaml", ".yml")) or "/" in spec:
+        path = Path(spec)
+        candidates = [path if path.is_absolute() else here / path]
+    else:
+        candidates = list(dict.fromkeys([here / f"{spec}.yaml", Path("configs") / f"{spec}.yaml",
+                                         REPO_CONFIGS / f"{spec}.yaml"]))
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"{experiment_file}: config {spec!r} not found (tried {', '.join(map(str, candidates))})")
