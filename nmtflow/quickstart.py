@@ -16,9 +16,9 @@ log = logging.getLogger("nmtflow.quickstart")
 
 QUICKSTART_CONFIG = {
     "model": {"name": "transformer", "preset": "small", "encoder_layers": 3, "decoder_layers": 3},
-    "data": {"src_lang": "en", "tgt_lang": "de", "max_tokens": 4096},
-    "train": {"lr": 1e-3, "warmup_updates": 300, "max_updates": 100_000, "validate_every": 200,
-              "valid_bleu_max_sentences": 200, "save_every": 200, "log_every": 50, "label_smoothing": 0.1},
+    "data": {"src_lang": "en", "tgt_lang": "de", "max_tokens": 2048},
+    "train": {"lr": 1e-3, "warmup_updates": 150, "max_updates": 100_000, "validate_every": 150,
+              "valid_bleu_max_sentences": 200, "save_every": 150, "log_every": 50, "label_smoothing": 0.1},
     "decode": {"beam_size": 5},
 }
 

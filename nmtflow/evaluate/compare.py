@@ -166,41 +166,50 @@ def run_config(exp: ExperimentConfig, index: int, seed: int, data: PreparedData,
     return config
 
 
+def _check_previous(run_dir: Path, config_dict: dict[str, Any], fp: str) -> None:
+    """A run directory that already holds a (partly) trained run must hold this config's."""
+    old = run_dir / "run.yaml"
+    if not (old.is_file() and (run_dir / "checkpoint_last.pt").is_file()):
+        return
+    previous = yaml.safe_load(old.read_text(encoding="utf-8")) or {}
+    if fingerprint(previous) != fp:
+        a, b = _flat(previous), _flat(config_dict)
+        changed = sorted(k for k in a.keys() | b.keys()
+                         if a.get(k) != b.get(k) and tuple(k.split(".")[:2]) not in VOLATILE)
+        raise ConfigError(f"{run_dir} holds a run trained with another config (changed: "
+                          f"{', '.join(changed[:5]) or '?'}); use another --out or delete that directory")
+
+
+def decode_items(exp: ExperimentConfig, data: PreparedData, multilingual: bool) -> list[dict[str, Any]]:
+    """What a run decodes: every test set × (the first direction | all directions and zero-shot ones)."""
+    directions = [*exp.data.directions, *exp.data.zero_shot] if multilingual else exp.data.directions[:1]
+    items = []
+    for test_set in exp.test_sets:
+        texts = data.texts.get(test_set, {})
+        for direction in directions:
+            src, tgt = parse_direction(direction, "data.directions")
+            if src != tgt:
+                items.append({"key": f"{test_set} {direction}", "test_set": test_set, "direction": direction,
+                              "src": src, "tgt": tgt, "src_file": texts.get(src), "ref_file": texts.get(tgt),
+                              "data_dir": str(data.dir), "split": test_set})
+    return items
+
+
 def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
               plugins: list[str] | None = None) -> list[dict[str, Any]]:
     """One job per (run, seed), in run order; fails early if a run directory holds another config's run."""
     jobs = []
-    search = exp.decode.search_overrides()
     for index, run in enumerate(exp.runs):
         for seed in exp.seeds:
             run_dir = (out / "runs" / run.name / f"seed-{seed}").resolve()
             config = run_config(exp, index, seed, data, run_dir)
             config_dict = to_dict(config)
             fp = fingerprint(config_dict)
-            old = run_dir / "run.yaml"
-            if old.is_file() and (run_dir / "checkpoint_last.pt").is_file():
-                previous = yaml.safe_load(old.read_text(encoding="utf-8")) or {}
-                if fingerprint(previous) != fp:
-                    a, b = _flat(previous), _flat(config_dict)
-                    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)
-                                     and tuple(k.split(".")[:2]) not in VOLATILE)
-                    raise ConfigError(f"{run_dir} holds a run trained with another config (changed: "
-                                      f"{', '.join(changed[:5]) or '?'}); use another --out or delete that directory")
+            _check_previous(run_dir, config_dict, fp)
             multilingual = config.data.multilingual is not None
-            directions = list(exp.data.directions) + list(exp.data.zero_shot) if multilingual else \
-                [exp.data.directions[0]]
-            items = []
-            for test_set in exp.test_sets:
-                for direction in directions:
-                    src, tgt = parse_direction(direction, "data.directions")
-                    if src == tgt:
-                        continue
-                    texts = data.texts.get(test_set, {})
-                    items.append({"key": f"{test_set} {direction}", "test_set": test_set, "direction": direction,
-                                  "src": src, "tgt": tgt, "src_file": texts.get(src), "ref_file": texts.get(tgt),
-                                  "data_dir": str(data.dir), "split": test_set})
-            ev = {"checkpoint": exp.checkpoint, "average_last": exp.average_last, "search": search,
-                  "max_sentences": exp.decode.max_sentences, "items": items}
+            items = decode_items(exp, data, multilingual)
+            ev = {"checkpoint": exp.checkpoint, "average_last": exp.average_last,
+                  "search": exp.decode.search_overrides(), "max_sentences": exp.decode.max_sentences, "items": items}
             eval_key = hashlib.sha1(json.dumps({**ev, "items": [i["key"] for i in items]}, sort_keys=True)
                                     .encode()).hexdigest()[:16]
             jobs.append({"run": run.name, "seed": seed, "dir": str(run_dir), "config": str(run_dir / "run.yaml"),
