@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import shlex
-import signal
 import subprocess
 import sys
 import traceback
@@ -29,6 +28,7 @@ from typing import Any, Callable, Iterator
 import yaml
 
 from nmtflow.config import Config, ConfigError, load_config, to_dict
+from nmtflow.train.trainer import on_signals
 from nmtflow.evaluate.compare_job import (EXIT_INTERRUPTED, FINISHED, Interrupted, read_json, run_job,
                                           write_json)
 from nmtflow.evaluate.experiment import ExperimentConfig, load_experiment, parse_direction, resolve_config_path
@@ -238,17 +238,8 @@ def _forward_signals(proc: subprocess.Popen) -> Iterator[Callable[[], bool]]:
         hit["flag"] = True
         proc.send_signal(signum)
 
-    previous = {}
-    try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, handler)
-    except ValueError:  # not the main thread
-        previous = {}
-    try:
+    with on_signals(handler):
         yield lambda: hit["flag"]
-    finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
 
 
 def _run_isolated(job_file: Path, run_dir: Path) -> tuple[int, bool]:

@@ -14,7 +14,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -436,6 +436,16 @@ def _graceful_interrupt() -> Iterator[Any]:
         hit["flag"] = True
         log.warning("signal %d received: saving a checkpoint after this update", signum)
 
+    with on_signals(handler):
+        yield lambda: hit["flag"]
+
+
+@contextmanager
+def on_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """Route SIGINT/SIGTERM to ``handler`` inside the block, then restore the previous handlers.
+
+    Outside the main thread (where handlers cannot be installed) this does nothing.
+    """
     previous = {}
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -443,7 +453,7 @@ def _graceful_interrupt() -> Iterator[Any]:
     except ValueError:  # not the main thread
         previous = {}
     try:
-        yield lambda: hit["flag"]
+        yield
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
