@@ -70,11 +70,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=40, help="timed training batches per system")
     p.add_argument("--rounds", type=int, default=4, help="alternating blocks the timed steps are split into")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (timings synchronise the GPU)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     # 1. data: the same collated batches for every system
     work = args.work or Path(f"runs/bench-conv-data-{args.src}-{args.tgt}")
@@ -87,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     while len(order) < args.warmup + args.steps:
         order += sampler.batches(epoch)
         epoch += 1
-    batches = [train.batch(idx) for idx in order[:args.warmup + args.steps]]
+    batches = [train.batch(idx).to(device) for idx in order[:args.warmup + args.steps]]
     warm, timed = batches[:args.warmup], batches[args.warmup:]
 
     # 2. models (same seed before each), one optimiser configuration for all
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg = load_config(data={"model": model, "train": {"seed": args.seed, "label_smoothing": 0.1,
                                                           "clip_norm": 1.0, "warmup_updates": 4000}})
         torch.manual_seed(args.seed)
-        systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)), cfg.train)
+        systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device), cfg.train)
 
     # 3. untimed warm-up, then alternating timed blocks over the same batches
     for opt in systems.values():
@@ -109,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         block = timed[i * len(timed) // rounds:(i + 1) * len(timed) // rounds]
         for name, opt in systems.items():
             for b in block:
+                sync()
                 start = time.perf_counter()
                 losses[name].append(opt.step(b))
                 seconds[name] += time.perf_counter() - start
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 4. report
     result: dict[str, Any] = {
         "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "arch": platform.machine()},
+                    "device": str(device), "python": platform.python_version(), "arch": platform.machine()},
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "densenmt_config": args.densenmt_config.name, "convs2s_config": args.convs2s_config.name,
                    "transformer_layers": args.transformer_layers, "tiny": args.tiny, "max_tokens": args.max_tokens,

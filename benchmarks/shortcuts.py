@@ -55,11 +55,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=30, help="timed training batches per system")
     p.add_argument("--rounds", type=int, default=3, help="alternating blocks the timed steps are split into")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (timings synchronise the GPU)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     # 1. data: the same preparation (and default cache) as throughput.py; batches collated once, untimed
     work = args.work or Path(f"runs/bench-data-{args.src}-{args.tgt}")
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     while len(order) < needed:
         order += sampler.batches(epoch)
         epoch += 1
-    batches = [train.batch(idx) for idx in order[:needed]]
+    batches = [train.batch(idx).to(device) for idx in order[:needed]]
     warm, timed = batches[:args.warmup], batches[args.warmup:]
 
     # 2. models: one config, only the attention slots differ
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "decoder_layers": args.layers, **slots},
             "train": {"seed": args.seed, "label_smoothing": 0.1, "clip_norm": 1.0}})
         torch.manual_seed(args.seed)
-        systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)), cfg.train)
+        systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device), cfg.train)
 
     # 3. untimed warm-up, then alternating timed blocks over the same batches
     for opt in systems.values():
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         block = timed[r * len(timed) // rounds:(r + 1) * len(timed) // rounds]
         for name, opt in systems.items():
             for b in block:
+                sync()
                 start = time.perf_counter()
                 losses[name] = opt.step(b)
                 seconds[name] += time.perf_counter() - start
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base_speed = tokens / seconds["baseline"]
     result: dict[str, Any] = {
         "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "arch": platform.machine()},
+                    "device": str(device), "python": platform.python_version(), "arch": platform.machine()},
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "preset": args.preset, "layers": args.layers, "max_tokens": args.max_tokens,
                    "warmup_batches": len(warm), "timed_batches": len(timed), "rounds": rounds,

@@ -134,7 +134,7 @@ def peak_rss_mb() -> float:
 
 
 def decode_batch(model: EncoderDecoder, src: Tensor, args: argparse.Namespace) -> tuple[float, list[int]]:
-    """Beam search over one batch → (seconds, output lengths without EOS)."""
+    """Beam search over one batch → (seconds, output lengths without EOS; the hypotheses are on the host)."""
     start = time.perf_counter()
     hyps = beam_search(model, src, beam_size=args.beam, len_penalty=0.6, max_len_a=1.5, max_len_b=10)
     return time.perf_counter() - start, [len(h[0].tokens) for h in hyps]
@@ -160,11 +160,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--decode-max-tokens", type=int, default=6000)
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (timings synchronise the GPU)")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     if args.steps < 1 or args.decode_sentences < 1:
         p.error("--steps and --decode-sentences must be >= 1")
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rss: dict[str, float] = {}
 
     # 1. data
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     while len(order) < needed:
         order += sampler.batches(epoch)
         epoch += 1
-    batches = [train.batch(idx) for idx in order[:needed]]  # collated once: batching is not timed
+    batches = [train.batch(idx).to(device) for idx in order[:needed]]  # collated once: batching is not timed
     warm, timed = batches[:args.warmup], batches[args.warmup:args.warmup + args.steps]
     extra = batches[args.warmup + args.steps:]
     rss["after_data"] = peak_rss_mb()
@@ -193,11 +196,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "train": {"seed": args.seed, "threads": args.threads, "label_smoothing": 0.1, "clip_norm": 1.0,
                   "warmup_updates": args.lr_warmup}})
     torch.manual_seed(args.seed)
-    sys_a = build_model(cfg.model, Vocabularies(vocab, vocab, joint=True))
+    sys_a = build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device)
     torch.manual_seed(args.seed)
     ref_cfg = ReferenceConfig(d_model=cfg.model.d_model, heads=cfg.model.heads, layers=args.layers,
                               ffn_dim=cfg.model.ffn_dim, dropout=cfg.model.dropout)
-    sys_b = ReferenceTransformer(ref_cfg, vocab)
+    sys_b = ReferenceTransformer(ref_cfg, vocab).to(device)
     systems = {"nmtflow": Optimiser(sys_a, cfg.train), "reference_nn_transformer": Optimiser(sys_b, cfg.train)}
     rss["after_build"] = peak_rss_mb()
 
@@ -213,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for block in blocks:
         for name, opt in systems.items():
             for b in block:
+                sync()
                 start = time.perf_counter()
                 losses[name].append(opt.step(b))
                 seconds[name] += time.perf_counter() - start
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 4. decoding throughput: beam search over the first N validation sentences, alternating per batch
     sources = [valid.src[i].tolist() for i in range(min(args.decode_sentences, len(valid)))]
-    src_batches = [collate([sources[i] for i in rows], [[]] * len(rows)).src
+    src_batches = [collate([sources[i] for i in rows], [[]] * len(rows)).src.to(device)
                    for rows in batches_by_length([len(s) for s in sources], args.decode_max_tokens)]
     caps = torch.cat([max_output_lengths(s, 1.5, 10, ref_cfg.max_positions - 2) for s in src_batches]).tolist()
     dec_seconds = dict.fromkeys(systems, 0.0)
@@ -242,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 5. report
     result: dict[str, Any] = {
         "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "arch": platform.machine()},
+                    "device": str(device), "python": platform.python_version(), "arch": platform.machine()},
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "layers": args.layers, "d_model": ref_cfg.d_model, "heads": ref_cfg.heads,
                    "ffn_dim": ref_cfg.ffn_dim, "dropout": ref_cfg.dropout, "max_tokens": args.max_tokens,

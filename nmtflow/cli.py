@@ -44,7 +44,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
         name, _, prefix = extra.partition("=")
         splits[name] = prefix
     meta = prepare(splits, args.langs, Path(args.out), vocab_size=args.vocab_size, joint=not args.separate_vocab,
-                   clean=CleanConfig(max_len=args.max_len, max_ratio=args.max_ratio), lang_tags=args.lang_tags)
+                   clean=CleanConfig(max_len=args.max_len, max_ratio=args.max_ratio), lang_tags=args.lang_tags,
+                   workers=args.workers)
     for split, info in meta["splits"].items():
         print(f"{split}: {info['rows']} rows" + (f" ({info['dropped']} dropped by cleaning)" if info.get("dropped") else ""))
     print(f"prepared data in {args.out}")
@@ -115,16 +116,36 @@ def _read_lines(path: str) -> list[str]:
     from nmtflow.data.corpus import CorpusError
 
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        data = Path(path).read_bytes()
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise CorpusError(path, "file not found") from None
-    except UnicodeDecodeError as exc:
-        line = text_line = Path(path).read_bytes()[: exc.start].count(b"\n") + 1
-        raise CorpusError(path, f"invalid UTF-8 at byte {exc.start}", line=text_line or line) from None
+    except IsADirectoryError:
+        raise CorpusError(path, "not a regular file") from None
+    except UnicodeDecodeError as exc:  # binary garbage, another encoding
+        start = data.rfind(b"\n", 0, exc.start) + 1
+        raise CorpusError(path, f"invalid UTF-8 at byte offset {exc.start - start} of the line ({exc.reason})",
+                          line=data.count(b"\n", 0, exc.start) + 1) from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     return [ln.rstrip("\r") for ln in lines]
+
+
+def _stdin_lines():
+    """stdin line by line, each as it arrives; invalid UTF-8 is a CorpusError naming ``<stdin>`` and the line."""
+    from nmtflow.data.corpus import CorpusError
+
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a replaced text stream
+        yield from sys.stdin
+        return
+    for n, raw in enumerate(stream, 1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CorpusError("<stdin>", f"invalid UTF-8 at byte offset {exc.start} of the line ({exc.reason})",
+                              line=n) from None
 
 
 @command
@@ -137,7 +158,7 @@ def cmd_translate(args: argparse.Namespace) -> None:
     else:
         if interactive:
             print("nmtflow: type a sentence and press Enter (Ctrl-D to quit)", file=sys.stderr)
-        results = translator.translate_stream(sys.stdin, chunk=1 if interactive or args.unbuffered else 1000)
+        results = translator.translate_stream(_stdin_lines(), chunk=1 if interactive or args.unbuffered else 1000)
     try:
         for n, nbest in enumerate(results):
             if translator.decode.nbest > 1:
@@ -209,7 +230,7 @@ def cmd_score(args: argparse.Namespace) -> None:
     src, tgt = _read_lines(args.src), _read_lines(args.tgt)
     if len(src) != len(tgt):
         raise ValueError(f"{args.src} has {len(src)} lines but {args.tgt} has {len(tgt)}")
-    for lp in translator.score(src, tgt):
+    for lp in translator.score(src, tgt, files=(args.src, args.tgt)):
         print(f"{lp:.4f}")
 
 
@@ -235,6 +256,8 @@ def cmd_info(args: argparse.Namespace) -> None:
 def cmd_analyze(args: argparse.Namespace) -> None:
     if args.analysis == "attention":
         return _analyze_attention(args)
+    if args.analysis in ("length-bleu", "bridge-attention", "bridge-entropy"):
+        return _analyze_bridge(args)
     from nmtflow.analysis.probes import ProbeConfig, run_probes
     from nmtflow.analysis.report import layer_table
     from nmtflow.analysis.similarity import SimilarityConfig, run_similarity
@@ -260,6 +283,30 @@ def _analyze_attention(args: argparse.Namespace) -> None:
                                    split=args.split, max_sentences=args.max_sentences, max_tokens=args.batch_tokens,
                                    device=resolve_device(args.device))
     print(f"wrote {len(files)} files to {args.out}")
+
+
+def _analyze_bridge(args: argparse.Namespace) -> None:
+    """BLEU by source length, bridge heat maps, bridge head entropy (SPEC §5; nmtflow/analysis/bridge.py)."""
+    from nmtflow.analysis import bridge
+    from nmtflow.train.trainer import resolve_device
+
+    common = dict(src_lang=args.src_lang, labels=args.labels, device=resolve_device(args.device))
+    if args.analysis == "length-bleu":
+        result = bridge.run_length_bleu(args.checkpoints, args.src, args.ref, args.out, tgt_lang=args.tgt_lang,
+                                        buckets=args.buckets, beam_size=args.beam, greedy=args.greedy,
+                                        max_tokens=args.batch_tokens, max_sentences=args.max_sentences, **common)
+        print(f"BLEU by source length in words (sentences), {result['sentences']} sentences of {args.src}:")
+        print(bridge.length_table(result))
+    elif args.analysis == "bridge-attention":
+        result = bridge.run_bridge_heat_maps(args.checkpoints, args.sentence, args.out, **common)
+        for label, m in result["models"].items():
+            print(f"{label}: A is {len(m['attention'])} heads × {len(m['tokens'])} source positions")
+    else:
+        result = bridge.run_head_entropy(args.checkpoints, args.src, args.out, max_sentences=args.max_sentences,
+                                         max_words=args.max_words, max_tokens=args.batch_tokens, **common)
+        print(f"mean bridge-head entropy (nats) over {result['sentences']} sentences; n = source positions:")
+        print(bridge.entropy_table(result))
+    print("wrote " + ", ".join(result["files"]))
 
 
 def _embedder(args: argparse.Namespace):
@@ -310,7 +357,8 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
 def cmd_compare(args: argparse.Namespace) -> None:
     from nmtflow.evaluate.compare import run_comparison
 
-    result = run_comparison(args.experiment, out=args.out, overrides=args.set, plugins=args.plugin)
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    result = run_comparison(args.experiment, out=args.out, overrides=args.set, plugins=args.plugin, only=only)
     print(f"results: {result.out / 'results.md'}")
     if result.failed:
         raise ValueError(f"{len(result.failed)} run(s) failed ({', '.join(result.failed)}); see "
@@ -349,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("experiment", help="experiment file (experiments/*.yaml)")
     p.add_argument("--out", help="output directory (default: runs/compare-NAME); rerunning resumes it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. data.path=DIR")
+    p.add_argument("--only", metavar="NAME,NAME", help="train and report only these runs of the experiment")
 
     p = sub.add_parser("corpus", help="write the built-in synthetic multilingual corpus")
     p.add_argument("out")
@@ -370,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lang-tags", action="store_true", help="reserve <2xx> target-language tags")
     p.add_argument("--max-len", type=int, default=250, help="cleaning: drop training rows longer than this (tokens)")
     p.add_argument("--max-ratio", type=float, default=3.0, help="cleaning: drop rows whose length ratio exceeds this")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes that encode with SentencePiece (output identical to 1; order preserved)")
 
     p = sub.add_parser("train", help="train (and resume) a model from a YAML config")
     p.add_argument("config")
@@ -454,6 +505,28 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-sentences", type=int, help="use only the first N sentences of --split")
     q.add_argument("--batch-tokens", type=int, default=4000, help="tokens per batch through the model")
     q.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    q = analyses.add_parser("length-bleu", help="sacreBLEU per source-length bucket (words), one line per checkpoint")
+    _bridge_analysis_options(q, "any models")
+    q.add_argument("--tgt-lang", help="multilingual checkpoints: target language")
+    q.add_argument("--src", required=True, help="source sentences, one per line")
+    q.add_argument("--ref", required=True, help="reference translations, line-aligned with --src")
+    q.add_argument("--buckets", nargs="+", metavar="LOW-HIGH|LOW+",
+                   help="source-length buckets in words (default: 1-10 11-15 16-20 21-25 26+)")
+    q.add_argument("--beam", type=int, help="beam size (default: each checkpoint's, 5)")
+    q.add_argument("--greedy", action="store_true", help="greedy search")
+    q.add_argument("--batch-tokens", type=int, help="source tokens per decoding batch")
+    q.add_argument("--max-sentences", type=int, help="use only the first N lines of --src/--ref")
+    q = analyses.add_parser("bridge-attention", help="heat maps of the attention bridge's A (k heads × source "
+                                                     "tokens) for one sentence")
+    _bridge_analysis_options(q, "attention-bridge models")
+    q.add_argument("--sentence", required=True, help="the source sentence (in --src-lang)")
+    q = analyses.add_parser("bridge-entropy", help="entropy of each bridge head over a file: all heads, heads with "
+                                                   "index < sentence length, the rest")
+    _bridge_analysis_options(q, "attention-bridge models")
+    q.add_argument("--src", required=True, help="source sentences (in --src-lang), one per line")
+    q.add_argument("--max-sentences", type=int, help="use only the first N (non-empty, short enough) lines")
+    q.add_argument("--max-words", type=int, help="skip sentences longer than this (the paper: 40)")
+    q.add_argument("--batch-tokens", type=int, default=4000, help="source tokens per batch")
     return parser
 
 
@@ -463,6 +536,14 @@ def _embedding_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling", choices=("mean", "flat"), default="mean",
                    help="mean over the k rows of M (d_h values) or the flattened M (k·d_h values)")
     p.add_argument("--batch-tokens", type=int, default=6000, help="source tokens per batch")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+
+
+def _bridge_analysis_options(p: argparse.ArgumentParser, models: str) -> None:
+    p.add_argument("checkpoints", nargs="+", metavar="CKPT", help=f"checkpoints to compare ({models})")
+    p.add_argument("--src-lang", help="multilingual checkpoints: source language")
+    p.add_argument("--out", required=True, help="output directory for the JSON table and PNG plot")
+    p.add_argument("--labels", nargs="+", help="names of the checkpoints in tables and plots")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
 
 

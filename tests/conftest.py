@@ -56,3 +56,16 @@ def tiny_config(data: Path, save_dir: Path, **train: object) -> "object":
         "decode": {"beam_size": 4},
     }
     return load_config(data=raw)
+
+
+def padded_batch(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (src, tgt) ids for 3 sentences; sources 2 and 3 padded after 6 and 4 tokens, targets start with BOS."""
+    from nmtflow.data.vocab import BOS, PAD
+
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, vocab, (3, 9), generator=g)
+    src[1, 6:] = PAD
+    src[2, 4:] = PAD
+    tgt = torch.randint(4, vocab, (3, 7), generator=g)
+    tgt[:, 0] = BOS
+    return src, tgt

@@ -6,6 +6,7 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 SLOT_TITLES = {"encoder.self_attn": "encoder self-attention", "decoder.self_attn": "decoder self-attention",
                "decoder.cross_attn": "decoder-to-encoder attention"}
@@ -57,4 +58,61 @@ def plot_gates(gates: dict[str, dict[str, dict[str, Any]]], path: str | Path) ->
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     fig.suptitle("Lexical-shortcut gates")
+    _save(fig, path)
+
+
+def plot_length_bleu(result: dict[str, Any], path: str | Path) -> None:
+    """BLEU per source-length bucket, one line per model (the attention-bridge paper's Figure 3)."""
+    buckets = result["buckets"]
+    fig = Figure(figsize=(max(5.0, 1.1 * len(buckets) + 2), 3.8), layout="constrained")
+    ax = fig.subplots()
+    for label, m in result["models"].items():
+        ys = [float("nan") if b["bleu"] is None else b["bleu"] for b in m["buckets"]]
+        ax.plot(range(len(ys)), ys, marker="o", label=f"{label} ({m['bleu']:.1f})")
+    ax.set_xticks(range(len(buckets)), [f"{b['bucket']}\n({b['sentences']})" for b in buckets])
+    ax.set(xlabel="source length in words (sentences)", ylabel="BLEU", title="BLEU by source length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", title="model (all sentences)", title_fontsize="small")
+    _save(fig, path)
+
+
+def plot_bridge_attention(result: dict[str, Any], path: str | Path) -> None:
+    """The bridge's A (k × n) per model: one heat map each (rows = heads, columns = source tokens), one scale."""
+    models = result["models"]
+    vmax = max((max(map(max, m["attention"])) for m in models.values()), default=1.0)
+    heights = [len(m["attention"]) for m in models.values()]
+    width = max(len(m["tokens"]) for m in models.values())
+    fig = Figure(figsize=(2.5 + 0.35 * width, 1.2 + 0.25 * sum(heights) + 0.9 * len(models)), layout="constrained")
+    axes = fig.subplots(len(models), 1, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    image = None
+    for ax, (label, m) in zip(axes, models.items()):
+        image = ax.imshow(m["attention"], aspect="auto", cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest")
+        ax.set_xticks(range(len(m["tokens"])), m["tokens"], rotation=90, fontsize=7)
+        ax.set_yticks(range(len(m["attention"])), [str(i + 1) for i in range(len(m["attention"]))], fontsize=7)
+        ax.set(ylabel="head", title=label)
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), shrink=0.8)
+    fig.suptitle("Attention bridge: A over the source, per head")
+    _save(fig, path)
+
+
+def plot_head_entropy(result: dict[str, Any], path: str | Path) -> None:
+    """Left: mean head entropy (all heads / index < n / index ≥ n) per model; right: per head index."""
+    groups = [("all_heads", "all heads"), ("within_length", "index < n"), ("beyond_length", "index ≥ n")]
+    models = result["models"]
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    width = 0.8 / max(len(models), 1)
+    for i, (label, m) in enumerate(models.items()):
+        ys = [float("nan") if m[g] is None else m[g] for g, _ in groups]
+        left.bar([x + (i - (len(models) - 1) / 2) * width for x in range(len(groups))], ys, width, label=label)
+        per_head = [float("nan") if y is None else y for y in m["per_head"]]
+        right.plot(range(1, len(per_head) + 1), per_head, marker="o", markersize=3, label=label)
+    left.set_xticks(range(len(groups)), [name for _, name in groups])
+    left.set(ylabel="entropy (nats)", title="Mean head entropy (n = sentence length)")
+    right.set(xlabel="head", ylabel="entropy (nats)", title="Mean entropy per head")
+    right.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
     _save(fig, path)

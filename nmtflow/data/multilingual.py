@@ -13,6 +13,10 @@ stores ``(epoch, position)`` resumes exactly:
 * ``uniform``: each step draws a direction uniformly at random;
 * ``weighted``: each step draws a direction with probability ∝ its number of sentence pairs.
 The random schedules give an epoch the total number of batches of all directions.
+
+For data parallelism (``num_shards`` > 1) the epoch's entry list is cut to a multiple of ``num_shards`` and
+shard ``shard_id`` takes every ``num_shards``-th entry, as :class:`~nmtflow.data.batching.TokenBatchSampler`
+does with batches: N ranks with one entry each per update see what one process accumulating N entries sees.
 """
 from __future__ import annotations
 
@@ -147,7 +151,10 @@ class LanguageRotatingSampler:
     """Cycles through per-direction :class:`TokenBatchSampler` s; see the module docstring for schedules."""
 
     def __init__(self, samplers: list[TokenBatchSampler], schedule: str = "round_robin", seed: int = 1,
-                 sizes: Sequence[int] | None = None) -> None:
+                 sizes: Sequence[int] | None = None, *, num_shards: int = 1, shard_id: int = 0) -> None:
+        if num_shards < 1 or not 0 <= shard_id < num_shards:
+            raise ValueError(f"invalid shard {shard_id} of {num_shards}")
+        self.num_shards, self.shard_id = int(num_shards), int(shard_id)
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r} (known: {', '.join(SCHEDULES)})")
         if not samplers:
@@ -162,7 +169,7 @@ class LanguageRotatingSampler:
         return sum(len(s) for s in self.samplers)
 
     def batches(self, epoch: int) -> list[Entry]:
-        """This epoch's ``(direction, rows)`` entries; deterministic for ``(seed, epoch)``."""
+        """This shard's ``(direction, rows)`` entries of ``epoch``; deterministic for ``(seed, epoch)``."""
         if self._cache is not None and self._cache[0] == epoch:
             return list(self._cache[1])
         per = [s.batches(epoch) for s in self.samplers]
@@ -180,6 +187,8 @@ class LanguageRotatingSampler:
         for i in picks.tolist():
             out.append((i, per[i][used[i] % len(per[i])]))
             used[i] += 1
+        if self.num_shards > 1:
+            out = out[: len(out) // self.num_shards * self.num_shards][self.shard_id::self.num_shards]
         self._cache = (epoch, out)
         return list(out)
 

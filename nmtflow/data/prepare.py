@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import os
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from glob import escape as glob_escape
 from dataclasses import asdict
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -55,6 +59,30 @@ def _chunks(it, size: int):
         yield chunk
 
 
+# ---- parallel encoding: worker processes, each with its own tokenizers; chunks come back in input order ----
+_WORKER_TOKENIZERS: list[Tokenizer] = []
+
+
+def _init_worker(model_paths: list[str]) -> None:
+    _WORKER_TOKENIZERS[:] = [Tokenizer(p, num_threads=1) for p in model_paths]
+
+
+def _encode_columns(columns: list[list[str]]) -> list[list[list[int]]]:
+    return [tok.encode_batch(col) for tok, col in zip(_WORKER_TOKENIZERS, columns)]
+
+
+def _ordered_map(submit: Callable[[Any], Future], items: Iterator[Any], window: int) -> Iterator[Any]:
+    """``submit(item).result()`` for every item, in order, with at most ``window`` items in flight (bounded memory:
+    unlike ``Pool.imap``, the input is read only as fast as results are consumed)."""
+    pending: deque[Future] = deque()
+    for item in items:
+        pending.append(submit(item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
 def prepare(
     data_prefixes: Mapping[str, str | Path],
     langs: Sequence[str],
@@ -70,6 +98,7 @@ def prepare(
     max_sentences: int = 2_000_000,
     seed: int = 1,
     progress: bool = True,
+    workers: int = 1,
 ) -> dict:
     """Validate, tokenize, clean and binarize every split; return the ``meta.json`` dict.
 
@@ -79,6 +108,11 @@ def prepare(
     piece for every language to each model. Only the training split is cleaned (rows failing
     ``clean`` or with an empty side are dropped and counted); an empty line in another split is
     a :class:`CorpusError`.
+
+    Memory stays bounded whatever the corpus size: the text is streamed ``chunk_size`` rows at a time, the
+    tokenizer is trained on at most ``max_sentences`` sampled lines, and the binaries are written
+    incrementally. ``workers`` > 1 encodes chunks in that many processes (``chunk_size`` rows each, at most
+    ``2 * workers`` chunks in flight), written in input order: the output is identical to ``workers=1``.
     """
     clean = clean or CleanConfig()
     langs = list(langs)
@@ -94,12 +128,22 @@ def prepare(
         _check_name("split", split)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / META_FILE).unlink(missing_ok=True)  # the directory is incomplete until meta is rewritten
     disable = None if progress else True
 
     files = {split: [Path(f"{prefix}.{lang}") for lang in langs] for split, prefix in data_prefixes.items()}
+    for split, paths in files.items():  # --langs that do not match the files: say which languages are there
+        for path in paths:
+            if not path.exists():
+                stem = Path(data_prefixes[split]).name
+                have = sorted(p.name[len(stem) + 1:] for p in path.parent.glob(f"{glob_escape(stem)}.*")
+                              if p.is_file() and "." not in p.name[len(stem) + 1:])
+                raise CorpusError(path, f"file not found (languages {' '.join(langs)} asked for; "
+                                  + (f"{stem} has {', '.join(have)})" if have else f"no {stem}.* files there)"))
 
     # 1. validate every split before any expensive work
     lines: dict[str, int] = {}
@@ -129,41 +173,28 @@ def prepare(
     for tok in toks.values():
         tok.num_threads = num_threads
 
-    # 3. encode, clean (train only), binarize
+    # 3. encode (in worker processes when workers > 1), clean (train only), binarize
+    pool = None
+    if workers > 1:
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker, initargs=([str(toks[lang].path) for lang in langs],))
+
+    def encoded_chunks(paths: list[Path], allow_empty: bool) -> Iterator[list[list[list[int]]]]:
+        columns = ([list(col) for col in zip(*map(itemgetter(1), chunk))]
+                   for chunk in _chunks(iter_parallel(paths, allow_empty=allow_empty), chunk_size))
+        if pool is None:
+            return ([toks[lang].encode_batch(col) for lang, col in zip(langs, cols)] for cols in columns)
+        return _ordered_map(lambda cols: pool.submit(_encode_columns, cols), columns, 2 * workers)
+
     splits_meta: dict[str, dict[str, int]] = {}
-    for split, paths in files.items():
-        is_train = split == train_split
-        writers = [IndexedWriter(split_prefix(out_dir, split, lang), max_id=toks[lang].vocab_size - 1)
-                   for lang in langs]
-        rows = dropped = 0
-        try:
-            with tqdm(total=lines[split], desc=f"encode {split}", unit=" lines", disable=disable) as bar:
-                for chunk in _chunks(iter_parallel(paths, allow_empty=is_train), chunk_size):
-                    columns = zip(*map(itemgetter(1), chunk))
-                    encoded = [toks[lang].encode_batch(list(col)) for lang, col in zip(langs, columns)]
-                    if is_train:
-                        lengths = np.stack(
-                            [np.fromiter(map(len, e), dtype=np.int64, count=len(e)) for e in encoded], axis=1
-                        )
-                        keep = keep_mask(lengths, clean)
-                        if not keep.all():
-                            dropped += int((~keep).sum())
-                            encoded = [list(itertools.compress(e, keep)) for e in encoded]
-                    for w, e in zip(writers, encoded):
-                        w.add_many(e)
-                    rows += len(encoded[0])
-                    bar.update(len(chunk))
-        except BaseException:
-            for w in writers:
-                w.abort()
-            raise
-        for w in writers:
-            w.close()
-        if is_train and rows == 0:
-            raise ValueError(
-                f"{files[split][0]}: cleaning dropped all {dropped} training rows (check CleanConfig {clean})"
-            )
-        splits_meta[split] = {"rows": rows, "dropped": dropped, "lines": lines[split]}
+    try:
+        for split, paths in files.items():
+            splits_meta[split] = _binarize_split(
+                split, paths, langs, toks, out_dir, encoded_chunks(paths, split == train_split),
+                is_train=split == train_split, clean=clean, total=lines[split], disable=disable)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
 
     meta = {
         "format_version": FORMAT_VERSION,
@@ -179,6 +210,39 @@ def prepare(
     }
     _write_json_atomic(out_dir / META_FILE, meta)
     return meta
+
+
+def _binarize_split(split: str, paths: list[Path], langs: list[str], toks: dict[str, Tokenizer], out_dir: Path,
+                    chunks: Iterator[list[list[list[int]]]], *, is_train: bool, clean: CleanConfig, total: int,
+                    disable: bool | None) -> dict[str, int]:
+    """Write ``SPLIT.LANG.{bin,idx}`` from encoded chunks (id lists per language and row); clean the training split."""
+    writers = [IndexedWriter(split_prefix(out_dir, split, lang), max_id=toks[lang].vocab_size - 1) for lang in langs]
+    rows = dropped = 0
+    try:
+        with tqdm(total=total, desc=f"encode {split}", unit=" lines", disable=disable) as bar:
+            for encoded in chunks:
+                n = len(encoded[0])
+                if is_train:
+                    lengths = np.stack(
+                        [np.fromiter(map(len, e), dtype=np.int64, count=len(e)) for e in encoded], axis=1
+                    )
+                    keep = keep_mask(lengths, clean)
+                    if not keep.all():
+                        dropped += int((~keep).sum())
+                        encoded = [list(itertools.compress(e, keep)) for e in encoded]
+                for w, e in zip(writers, encoded):
+                    w.add_many(e)
+                rows += len(encoded[0])
+                bar.update(n)
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    for w in writers:
+        w.close()
+    if is_train and rows == 0:
+        raise ValueError(f"{paths[0]}: cleaning dropped all {dropped} training rows (check CleanConfig {clean})")
+    return {"rows": rows, "dropped": dropped, "lines": total}
 
 
 def load_meta(out_dir: str | Path) -> dict:

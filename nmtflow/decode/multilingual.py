@@ -47,9 +47,10 @@ def is_multilingual(ckpt: dict) -> bool:
     return bool(ckpt.get("multilingual"))
 
 
-def load_multilingual(path: str | Path, device: str | torch.device = "cpu") -> MultilingualCheckpoint:
+def load_multilingual(path: str | Path, device: str | torch.device = "cpu", *,
+                      ckpt: dict | None = None) -> MultilingualCheckpoint:
     """Rebuild a checkpoint written by :class:`~nmtflow.train.multilingual.MultilingualTrainer`."""
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path) if ckpt is None else ckpt
     if not is_multilingual(ckpt):
         raise CheckpointError(f"{path}: not a multilingual checkpoint (translate it without --src-lang/--tgt-lang)")
     try:
@@ -67,5 +68,22 @@ def load_multilingual(path: str | Path, device: str | torch.device = "cpu") -> M
 
 def multilingual_translator(path: str | Path, src_lang: str, tgt_lang: str, device: str | torch.device = "cpu",
                             decode: DecodeConfig | None = None) -> Translator:
-    """Load ``path`` and return its ``src_lang → tgt_lang`` translator."""
-    return load_multilingual(path, device).translator(src_lang, tgt_lang, decode)
+    """Load ``path`` and return its ``src_lang → tgt_lang`` translator.
+
+    A bilingual checkpoint accepts its own direction only. A language or direction the model lacks is a
+    one-line :class:`CheckpointError` naming ``path``.
+    """
+    ckpt = load_checkpoint(path)
+    if not is_multilingual(ckpt):
+        langs = ckpt.get("langs") or {}
+        if (src_lang, tgt_lang) != (langs.get("src"), langs.get("tgt")):
+            raise CheckpointError(f"{path}: a bilingual {langs.get('src')}→{langs.get('tgt')} model cannot translate "
+                                  f"{src_lang}→{tgt_lang} (leave out --src-lang/--tgt-lang)")
+        return Translator.from_checkpoint(path, device, decode, ckpt=ckpt)
+    try:
+        return load_multilingual(path, device, ckpt=ckpt).translator(src_lang, tgt_lang, decode)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError) as exc:  # a language or direction the model does not have
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise CheckpointError(f"{path}: {message}") from None

@@ -67,8 +67,9 @@ class Translator:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, device: str | torch.device = "cpu",
-                        decode: DecodeConfig | None = None) -> "Translator":
-        ckpt = load_checkpoint(path)
+                        decode: DecodeConfig | None = None, *, ckpt: dict | None = None) -> "Translator":
+        """The model of checkpoint ``path`` (``ckpt``: its contents, when already loaded)."""
+        ckpt = load_checkpoint(path) if ckpt is None else ckpt
         if ckpt.get("multilingual"):  # see nmtflow.decode.multilingual
             raise CheckpointError(f"{path}: a multilingual checkpoint ({', '.join(ckpt['langs']['directions'])}): "
                                   "name the direction with --src-lang and --tgt-lang")
@@ -130,13 +131,15 @@ class Translator:
             yield from self.translate(buf)
 
     @torch.no_grad()
-    def score(self, sources: list[str], targets: list[str]) -> list[float]:
-        """log P(target | source) per pair (natural log, EOS included)."""
+    def score(self, sources: list[str], targets: list[str], files: tuple[str, str] | None = None) -> list[float]:
+        """log P(target | source) per pair (natural log, EOS included); ``files`` name the inputs in errors."""
         src_ids, tgt_ids = self.encode_source(sources), self.tgt_tokenizer.encode_batch(targets)
         limit = int(getattr(self.model.config, "max_positions", 1 << 30)) - 1
         for n, seq in enumerate(tgt_ids):
             if len(seq) >= limit:
-                raise ValueError(f"target line {n + 1} has {len(seq)} tokens; the model scores at most {limit - 1}")
+                where = f"{files[1]}:{n + 1}: " if files else ""
+                raise ValueError(f"{where}target line {n + 1} has {len(seq)} tokens; the model scores at most "
+                                 f"{limit - 1} (a target is never truncated)")
         out = [0.0] * len(sources)
         lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]
         for batch in batches_by_length(lengths, self.decode.max_tokens):

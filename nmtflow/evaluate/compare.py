@@ -2,8 +2,9 @@
 
 1. the data is prepared once into ``OUT/data`` (cached; the built-in corpus is generated into ``OUT/corpus``);
 2. every (run × seed) trains into ``OUT/runs/NAME/seed-S``, each in its own process by default
-   (``isolate: true``: peak memory is per run and a crash fails only that run); a rerun skips runs with a
-   matching ``finished.json`` and resumes interrupted ones from ``checkpoint_last.pt``;
+   (``isolate: true``: peak memory is per run and a crash fails only that run), ``parallel: N`` of them at
+   once (taking ``devices`` in turn); a rerun skips runs with a matching ``finished.json`` and resumes
+   interrupted ones from ``checkpoint_last.pt``;
 3. each run's checkpoint (best, last or the average of the last N) decodes the test set(s); BLEU and chrF;
 4. ``OUT/results.md`` (one table), ``OUT/results.json`` and PNG plots (``nmtflow.evaluate.compare_report``).
 
@@ -19,6 +20,7 @@ import logging
 import shlex
 import subprocess
 import sys
+import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -157,6 +159,8 @@ def run_config(exp: ExperimentConfig, index: int, seed: int, data: PreparedData,
         mc.langs = mc.langs or list(exp.data.langs)
     b = exp.budget
     tc.save_dir, tc.seed, tc.device = str(run_dir), seed, exp.device
+    if exp.devices:  # parallel runs share out the devices: job n takes devices[n % len(devices)]
+        tc.device = exp.devices[(index * len(exp.seeds) + exp.seeds.index(seed)) % len(exp.devices)]
     tc.max_updates = b.updates if b.updates is not None else 10**9
     tc.max_epochs, tc.max_minutes = b.epochs, b.minutes
     if exp.threads:
@@ -215,7 +219,7 @@ def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
             jobs.append({"run": run.name, "seed": seed, "dir": str(run_dir), "config": str(run_dir / "run.yaml"),
                          "config_source": str(resolve_config_path(run.config, exp.file)),
                          "fingerprint": fp, "budget": to_dict(exp.budget), "eval": ev, "eval_key": eval_key,
-                         "multilingual": multilingual, "device": exp.device, "threads": exp.threads,
+                         "multilingual": multilingual, "device": config.train.device, "threads": exp.threads,
                          "plugins": list(plugins or []), "_config": config_dict})
     return jobs
 
@@ -269,14 +273,31 @@ def _log_tail(run_dir: Path) -> str:
     return f"{tail[-1] if tail else 'no output'} (see {run_dir / 'train.log'})"
 
 
-def execute(job: dict[str, Any], isolate: bool) -> tuple[str, dict[str, Any] | None, str]:
-    """(status: done | failed | interrupted, finished.json, error message) of one job."""
+def _write_job(job: dict[str, Any]) -> Path:
+    """Write the run's ``run.yaml`` and ``job.json``; returns the job file."""
     run_dir = Path(job["dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "run.yaml").write_text(yaml.safe_dump(job["_config"], sort_keys=False, allow_unicode=True),
                                       encoding="utf-8")
     job_file = run_dir / "job.json"
     write_json(job_file, {k: v for k, v in job.items() if k != "_config"})
+    return job_file
+
+
+def _outcome(run_dir: Path, rc: int, stopped: bool) -> tuple[str, dict[str, Any] | None, str]:
+    """(status, finished.json, error) of a run whose process exited with ``rc``."""
+    if rc == EXIT_INTERRUPTED or stopped:
+        return "interrupted", None, "interrupted"
+    if rc != 0:
+        return "failed", None, f"exit status {rc}: {_log_tail(run_dir)}"
+    done = read_json(run_dir / FINISHED)
+    return ("done", done, "") if done else ("failed", None, f"no {FINISHED} written: {_log_tail(run_dir)}")
+
+
+def execute(job: dict[str, Any], isolate: bool) -> tuple[str, dict[str, Any] | None, str]:
+    """(status: done | failed | interrupted, finished.json, error message) of one job."""
+    run_dir = Path(job["dir"])
+    job_file = _write_job(job)
     if not isolate:
         try:
             return "done", run_job(job), ""
@@ -286,52 +307,109 @@ def execute(job: dict[str, Any], isolate: bool) -> tuple[str, dict[str, Any] | N
             (run_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
             return "failed", None, f"{type(exc).__name__}: {exc}"
     rc, stopped = _run_isolated(job_file, run_dir)
-    if rc == EXIT_INTERRUPTED or stopped:
-        return "interrupted", None, "interrupted"
-    if rc != 0:
-        return "failed", None, f"exit status {rc}: {_log_tail(run_dir)}"
-    done = read_json(run_dir / FINISHED)
-    return ("done", done, "") if done else ("failed", None, f"no {FINISHED} written: {_log_tail(run_dir)}")
+    return _outcome(run_dir, rc, stopped)
+
+
+def execute_parallel(jobs: list[tuple[str, dict[str, Any]]], parallel: int,
+                     report: Callable[[str, dict[str, Any], str, dict[str, Any] | None, str], None]
+                     ) -> dict[str, tuple[str, dict[str, Any] | None, str]]:
+    """Run ``(label, job)`` pairs ``parallel`` at a time, each in its own process writing to its ``train.log``.
+
+    SIGINT/SIGTERM go to every running run (each saves a checkpoint and exits) and no new run starts.
+    ``report(label, job, status, result, error)`` is called as each run ends; returns outcomes by run dir.
+    """
+    pending, running, outcomes = list(jobs), {}, {}
+    hit = {"flag": False}
+
+    def handler(signum: int, frame: Any) -> None:
+        hit["flag"] = True
+        for proc, _, _, _ in running.values():
+            proc.send_signal(signum)
+
+    with on_signals(handler):
+        while running or (pending and not hit["flag"]):
+            while pending and len(running) < parallel and not hit["flag"]:
+                label, job = pending.pop(0)
+                job_file = _write_job(job)
+                log.info("%s: started on %s (log: %s)", label, job["device"], Path(job["dir"]) / "train.log")
+                logf = open(Path(job["dir"]) / "train.log", "ab")
+                proc = subprocess.Popen([sys.executable, "-m", "nmtflow.evaluate.compare_job", str(job_file)],
+                                        stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+                running[job["dir"]] = (proc, logf, label, job)
+            time.sleep(0.2)
+            for key, (proc, logf, label, job) in list(running.items()):
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                logf.close()
+                del running[key]
+                outcomes[key] = _outcome(Path(key), rc, hit["flag"])
+                report(label, job, *outcomes[key])
+    return outcomes
 
 
 def run_comparison(experiment: str | Path, out: str | Path | None = None, overrides: list[str] | None = None,
-                   plugins: list[str] | None = None) -> ComparisonResult:
-    """Run (or continue) a comparison and write its report; raises KeyboardInterrupt if it was interrupted."""
+                   plugins: list[str] | None = None, only: list[str] | None = None) -> ComparisonResult:
+    """Run (or continue) a comparison and write its report; raises KeyboardInterrupt if it was interrupted.
+
+    ``only``: the names of the runs to train and report (default: all of the experiment's runs).
+    """
     from nmtflow.evaluate.compare_report import write_report
 
     overrides, plugins = list(overrides or []), list(plugins or [])
     exp = load_experiment(experiment, overrides)
+    if only:
+        unknown = [n for n in only if n not in {r.name for r in exp.runs}]
+        if unknown:
+            raise ConfigError(f"{experiment}: --only: no run named {', '.join(map(repr, unknown))} "
+                              f"(runs: {', '.join(r.name for r in exp.runs)})")
+        exp.runs = [r for r in exp.runs if r.name in only]
     out = Path(out) if out else Path("runs") / f"compare-{exp.name}"
     command = shlex.join(["nmtflow", *[a for p in plugins for a in ("--plugin", p)], "compare", str(experiment),
-                          "--out", str(out), *[a for o in overrides for a in ("--set", o)]])
+                          "--out", str(out), *[a for o in overrides for a in ("--set", o)],
+                          *(["--only", ",".join(only)] if only else [])])
     out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(exp, out)
     jobs = plan_jobs(exp, out, data, plugins)
     log.info("comparing %d runs × %d seeds (%s) in %s", len(exp.runs), len(exp.seeds), exp.budget.describe(), out)
-    outcomes: list[dict[str, Any]] = []
     interrupted = False
+
+    def report(label: str, job: dict[str, Any], status: str, result: dict[str, Any] | None, error: str) -> None:
+        if status == "failed":
+            log.error("%s failed: %s", label, error)
+        elif status == "interrupted":
+            log.warning("%s interrupted; rerun the same command to continue", label)
+        else:
+            scores = next(iter(result["scores"].values()), {})
+            log.info("%s: BLEU %.2f, chrF %.2f", label, scores.get("bleu", float("nan")),
+                     scores.get("chrf", float("nan")))
+
+    status_of: dict[str, tuple[str, dict[str, Any] | None, str]] = {}
+    todo: list[tuple[str, dict[str, Any]]] = []
     for n, job in enumerate(jobs, 1):
         label = f"[{n}/{len(jobs)}] {job['run']} (seed {job['seed']})"
         done = finished_result(job)
         if done is not None:
             log.info("%s: finished earlier, skipped (%s)", label, Path(job["dir"]) / FINISHED)
-            outcomes.append({**job, "status": "done", "result": done, "error": ""})
-            continue
-        log.info("%s: training and decoding in %s", label, job["dir"])
-        status, result, error = execute(job, exp.isolate)
-        outcomes.append({**job, "status": status, "result": result, "error": error})
-        if status == "failed":
-            log.error("%s failed: %s", label, error)
-        elif status == "interrupted":
-            interrupted = True
-            log.warning("%s interrupted; rerun the same command to continue", label)
-            break
+            status_of[job["dir"]] = ("done", done, "")
         else:
-            scores = next(iter(result["scores"].values()), {})
-            log.info("%s: BLEU %.2f, chrF %.2f", label, scores.get("bleu", float("nan")),
-                     scores.get("chrf", float("nan")))
-    for job in jobs[len(outcomes):]:
-        outcomes.append({**job, "status": "not run", "result": None, "error": "not run yet (interrupted)"})
+            todo.append((label, job))
+    if exp.parallel > 1:
+        log.info("training %d runs, %d at a time", len(todo), exp.parallel)
+        status_of.update(execute_parallel(todo, exp.parallel, report))
+        interrupted = any(s == "interrupted" for s, _, _ in status_of.values())
+    else:
+        for label, job in todo:
+            log.info("%s: training and decoding in %s", label, job["dir"])
+            status_of[job["dir"]] = execute(job, exp.isolate)
+            report(label, job, *status_of[job["dir"]])
+            if status_of[job["dir"]][0] == "interrupted":
+                interrupted = True
+                break
+    outcomes: list[dict[str, Any]] = []
+    for job in jobs:
+        status, result, error = status_of.get(job["dir"], ("not run", None, "not run yet (interrupted)"))
+        outcomes.append({**job, "status": status, "result": result, "error": error})
     files, runs = write_report(exp, out, outcomes, command=command)
     failed = [f"{o['run']} seed {o['seed']}" for o in outcomes if o["status"] == "failed"]
     log.info("wrote %s", ", ".join(str(f) for f in files))

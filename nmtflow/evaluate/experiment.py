@@ -156,6 +156,8 @@ class ExperimentConfig:
     device: str = "auto"
     threads: int | None = None  # torch CPU threads of each run (training and decoding)
     isolate: bool = True  # train and decode each run in its own process
+    parallel: int = 1  # runs trained at once, each in its own process (e.g. several small models on one GPU)
+    devices: list[str] = field(default_factory=list)  # parallel runs take these in turn (e.g. [cuda:0, cuda:1])
     file: str = field(default="", init=False)  # where it was read from (set by load_experiment)
 
     def validate(self, where: str) -> None:
@@ -177,6 +179,10 @@ class ExperimentConfig:
             raise ConfigError(f"{where}: decode.checkpoint: 'averaged' needs average_last")
         if not self.test_sets:
             raise ConfigError(f"{where}: test_sets: name at least one split of data.splits")
+        if self.parallel < 1:
+            raise ConfigError(f"{where}: parallel: must be >= 1")
+        if self.parallel > 1 and not self.isolate:
+            raise ConfigError(f"{where}: parallel: {self.parallel} runs at once need isolate: true")
         for name in self.test_sets:
             if name not in self.data.splits:
                 raise ConfigError(f"{where}: test_sets: {name!r} is not a split of data.splits "

@@ -50,14 +50,15 @@ def checkpoint_perplexity(checkpoint: str | Path, data_dir: str | Path, split: s
     The data must be tokenised with the checkpoint's own SentencePiece model (else the ids mean other pieces).
     """
     translator = Translator.from_checkpoint(checkpoint, device)
-    data = open_checkpoint_data(translator, data_dir, split)
+    data = open_checkpoint_data(translator, data_dir, split, checkpoint=checkpoint)
     cfg = translator.config
     assert cfg is not None
     result = corpus_perplexity(translator.model, data, max_tokens or cfg.data.max_tokens)
     return {"split": split, "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}", **asdict(result)}
 
 
-def open_checkpoint_data(translator: Translator, data_dir: str | Path, split: str) -> Bitext:
+def open_checkpoint_data(translator: Translator, data_dir: str | Path, split: str, *,
+                         checkpoint: str | Path = "the checkpoint") -> Bitext:
     """``split`` of ``data_dir`` in the checkpoint's direction, after checking it shares its tokenizers."""
     cfg = translator.config
     assert cfg is not None
@@ -66,5 +67,6 @@ def open_checkpoint_data(translator: Translator, data_dir: str | Path, split: st
     data = open_bitext(data_dir, split, src, tgt)
     for lang, tok in ((src, translator.src_tokenizer), (tgt, translator.tgt_tokenizer)):
         if (Path(data_dir) / meta["tokenizers"][lang]).read_bytes() != Path(tok.path).read_bytes():
-            raise ValueError(f"{data_dir}: its {lang} tokenizer is not the one the checkpoint was trained with")
+            raise ValueError(f"{data_dir}: its {lang} vocabulary ({meta['tokenizers'][lang]}) is not the one "
+                             f"{checkpoint} was trained with; give the data directory prepared for that run")
     return data

@@ -9,9 +9,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,8 @@ def device_for(name: str, info: DistInfo) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and info.enabled and device.index is None:
-        device = torch.device("cuda", info.local_rank)
+    if device.type == "cuda" and device.index is None:  # an explicit index: torch.cuda.set_device needs one
+        device = torch.device("cuda", info.local_rank if info.enabled else torch.cuda.current_device())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device
@@ -75,6 +78,28 @@ def all_reduce(values: list[float], device: torch.device, op: str = "sum") -> li
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (pickled; for small things such as RNG states or hypotheses)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def shard(items: Sequence[T], info: DistInfo) -> list[T]:
+    """This rank's share of ``items``: every ``world_size``-th item from ``rank`` on (all of them with one process)."""
+    return list(items[info.rank::info.world_size]) if info.enabled else list(items)
+
+
+def unshard(parts: list[list[T]], total: int) -> list[T]:
+    """Inverse of :func:`shard`: the per-rank lists (in rank order) interleaved back into ``total`` items."""
+    out: list[Any] = [None] * total
+    for rank, part in enumerate(parts):
+        out[rank::len(parts)] = part
+    return out
 
 
 def barrier() -> None:

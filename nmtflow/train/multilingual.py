@@ -38,6 +38,7 @@ from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder
 from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
 from nmtflow.registry import MODELS
+from nmtflow.train import distributed
 from nmtflow.train.checkpoint import load_checkpoint
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.trainer import Trainer
@@ -107,7 +108,8 @@ class MultilingualTrainer(Trainer):
         samplers = [TokenBatchSampler(*self.train_data.sizes(i), dc.max_tokens, shuffle=True, seed=tc.seed + 1000 * i,
                                       max_sentences=dc.max_sentences, src_prefix_len=int(self.uses_tags))
                     for i in range(len(self.directions))]
-        self.sampler = LanguageRotatingSampler(samplers, mc.schedule, tc.seed, self.train_data.limits)
+        self.sampler = LanguageRotatingSampler(samplers, mc.schedule, tc.seed, self.train_data.limits,
+                                               num_shards=self.dist.world_size, shard_id=self.dist.rank)
         log.info("multilingual: %s schedule over %s%s", mc.schedule, ", ".join(map(str, self.directions)),
                  f"; zero-shot {', '.join(map(str, self.zero_shot))}" if self.zero_shot else "")
 
@@ -168,15 +170,20 @@ class MultilingualTrainer(Trainer):
         self.model.eval()
         per: dict[str, float] = {}
         nll_sum, tokens = 0.0, 0
+        sums = []  # (nll, tokens) of this rank's share of each direction (all of it with one process)
         for i, d in enumerate(valid.directions):
             sampler = TokenBatchSampler(*valid.sizes(i), self.config.data.max_tokens, shuffle=False,
                                         src_prefix_len=int(self.uses_tags))
             d_nll, d_tokens = 0.0, 0
-            for rows in sampler.batches(1):
+            for rows in distributed.shard(sampler.batches(1), self.dist):
                 b = valid.batch((i, rows)).to(self.device)
                 _, nll = label_smoothed_nll(self.model_for(b)(b.src, b.tgt_in), b.tgt_out, 0.0)
                 d_nll += float(nll)
                 d_tokens += b.num_tgt_tokens
+            sums += [d_nll, d_tokens]
+        sums = distributed.all_reduce(sums, self.device)
+        for i, d in enumerate(valid.directions):
+            d_nll, d_tokens = sums[2 * i], int(sums[2 * i + 1])
             per[f"nll.{d}"] = d_nll / max(d_tokens, 1)
             if d not in self.zero_shot:
                 nll_sum, tokens = nll_sum + d_nll, tokens + d_tokens
@@ -191,13 +198,22 @@ class MultilingualTrainer(Trainer):
                                      greedy=tc.valid_beam_size == 1)
         self.model.eval()
         scores: dict[str, float] = {}
+        mine: list[list[str]] = []  # this rank's share of each direction's hypotheses (DDP: gathered below)
+        counts: list[int] = []
         for i, d in enumerate(valid.directions):
             n = valid.limits[i] if tc.valid_bleu_max_sentences is None else min(valid.limits[i],
                                                                                  tc.valid_bleu_max_sentences)
             bitext, tgt_tok = valid.bitexts[i], self.tokenizers[d.tgt]
-            hyps = self.translator(d, decode).translate_ids([bitext.src[j].tolist() for j in range(n)])
+            rows = distributed.shard(range(n), self.dist)
+            hyps = self.translator(d, decode).translate_ids([bitext.src[j].tolist() for j in rows])
+            mine.append([tgt_tok.decode(h[0].tokens) for h in hyps])
+            counts.append(n)
+        gathered = distributed.all_gather_object(mine)
+        for i, d in enumerate(valid.directions):
+            bitext, tgt_tok, n = valid.bitexts[i], self.tokenizers[d.tgt], counts[i]
+            hyp_text = distributed.unshard([part[i] for part in gathered], n)
             refs = [tgt_tok.decode(bitext.tgt[j].tolist()) for j in range(n)]
-            scores[str(d)] = bleu([tgt_tok.decode(h[0].tokens) for h in hyps], refs).score
+            scores[str(d)] = bleu(hyp_text, refs).score
         self.record("valid_directions", {f"bleu.{k}": v for k, v in scores.items()})
         supervised = [scores[str(d)] for d in valid.directions if d not in self.zero_shot]
         return float(np.mean(supervised)) if supervised else 0.0

@@ -2,7 +2,9 @@
 
 Exact resume: a checkpoint holds the model, optimiser, scheduler, torch RNG state and the data position
 (epoch, index of the next batch in that epoch's deterministic batch order), so an interrupted run that
-resumes reproduces the uninterrupted run's losses bit for bit on CPU.
+resumes reproduces the uninterrupted run's losses bit for bit on CPU. With DDP every rank's generators are
+gathered into rank 0's checkpoint and each rank restores its own; the checkpoint records the number of
+processes, and resuming with another number is an error (the data shards would differ).
 """
 from __future__ import annotations
 
@@ -89,6 +91,8 @@ class Trainer:
 
         self.setup_data()
         self.model: EncoderDecoder = self.create_model().to(self.device)
+        if self.dist.rank > 0:  # each rank draws its own dropout masks; rank 0 keeps the single-process stream
+            torch.manual_seed(tc.seed + self.dist.rank)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
         self.scaler = torch.amp.GradScaler("cuda") if tc.precision == "fp16" else None
@@ -96,7 +100,16 @@ class Trainer:
         self.writer = None
         last = self.save_dir / "checkpoint_last.pt"
         if resume and last.is_file():
-            self.load_state(load_checkpoint(last, self.device))
+            ckpt = load_checkpoint(last, self.device)
+            self.check_resumable(ckpt, last)
+            try:
+                self.load_state(ckpt)
+            except (RuntimeError, KeyError, ValueError) as exc:  # a model or optimiser of another shape
+                lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [type(exc).__name__]
+                detail = lines[1 if len(lines) > 1 else 0][:200]  # e.g. "size mismatch for ...: copying a param"
+                raise ConfigError(f"{last}: cannot resume with this config ({detail}); "
+                                  "use the run's own config.yaml, or start afresh with --restart or another "
+                                  "--save-dir") from None
             log.info("resumed from %s at update %d (epoch %d, batch %d)", last, self.progress.update,
                      self.progress.epoch, self.progress.position)
         elif self.dist.is_main:
@@ -141,6 +154,7 @@ class Trainer:
             "langs": {"src": self.config.data.src_lang, "tgt": self.config.data.tgt_lang},
             "tokenizers": {"src": bytes_tensor(self.src_tok.path), "tgt": bytes_tensor(self.tgt_tok.path)},
             "progress": vars(self.progress).copy(),
+            "world_size": self.dist.world_size,  # the data shards depend on it: resuming needs the same number
         }
         if with_training_state:
             ckpt["optimizer"] = self.optimizer.state_dict()
@@ -150,7 +164,41 @@ class Trainer:
                 ckpt["scaler"] = self.scaler.state_dict()
             if torch.cuda.is_available():
                 ckpt["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+            if self.dist.enabled and getattr(self, "_rank_rng", None) is not None:
+                ckpt["rng"]["ranks"] = self._rank_rng  # every rank's own generators, gathered by save()
         return ckpt
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        """This process's random generators (CPU, and its CUDA device when it has one)."""
+        state = {"torch": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def check_resumable(self, ckpt: dict[str, Any], path: Path) -> None:
+        """A one-line :class:`ConfigError` naming ``path`` when its run cannot continue under this config:
+        another number of processes, model type, direction or vocabulary."""
+        world, saved_world = self.dist.world_size, ckpt.get("world_size")
+        if saved_world is not None and int(saved_world) != world:
+            raise ConfigError(f"{path}: written by a run of {saved_world} process(es) but this run has {world}; "
+                              f"the data shards would differ, so resume with {saved_world} (torchrun --nproc-per-node "
+                              f"{saved_world}), or start afresh with --restart or another --save-dir")
+        name = (ckpt.get("config") or {}).get("model", {}).get("name")
+        if name is not None and name != self.config.model.name:
+            raise ConfigError(f"{path}: holds a {name!r} model but the config says model.name="
+                              f"{self.config.model.name!r}; resume with the run's own config.yaml, or start afresh "
+                              "with --restart or another --save-dir")
+        mine = self.checkpoint(with_training_state=False)
+        langs = ckpt.get("langs") or {}
+        if "src" in langs and "src" in mine["langs"] and langs != mine["langs"]:
+            raise ConfigError(f"{path}: trained {langs['src']}→{langs['tgt']} but the config says "
+                              f"{mine['langs']['src']}→{mine['langs']['tgt']} (data.src_lang, data.tgt_lang)")
+        saved = ckpt.get("tokenizers") or {}
+        for key, data in mine["tokenizers"].items():
+            if key not in saved or not torch.equal(saved[key].cpu(), data):
+                raise ConfigError(f"{path}: its vocabulary ({key!r} SentencePiece model) differs from the one in "
+                                  f"{self.config.data.path}; give the data directory the run was trained on, or start "
+                                  "afresh with --restart or another --save-dir")
 
     def load_state(self, ckpt: dict[str, Any]) -> None:
         self.model.load_state_dict(ckpt["model"])
@@ -160,7 +208,13 @@ class Trainer:
             self.scaler.load_state_dict(ckpt["scaler"])
         torch.set_rng_state(ckpt["rng"]["torch"].cpu())
         if "cuda" in ckpt["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+            torch.cuda.set_rng_state_all([s.cpu() for s in ckpt["rng"]["cuda"]])
+        ranks = ckpt["rng"].get("ranks")
+        if self.dist.enabled and ranks and len(ranks) == self.dist.world_size:  # DDP: this rank's own generators
+            mine = ranks[self.dist.rank]
+            torch.set_rng_state(mine["torch"].cpu())
+            if "cuda" in mine and self.device.type == "cuda":
+                torch.cuda.set_rng_state(mine["cuda"].cpu(), self.device)
         self.progress = Progress(**{**ckpt["progress"], "stopped": ""})  # a new budget may continue it
         # drop log lines written after this checkpoint by the interrupted run
         log_file = self.save_dir / "log.jsonl"
@@ -170,6 +224,8 @@ class Trainer:
             log_file.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
 
     def save(self, best: bool = False) -> None:
+        if self.dist.enabled:  # a collective: every rank reaches save() at the same update
+            self._rank_rng = distributed.all_gather_object(self.rng_state())
         if not self.dist.is_main:  # one writer; every rank resumes from the same files
             return
         ckpt = self.checkpoint()
@@ -346,6 +402,9 @@ class Trainer:
         return TrainResult(p, self.save_dir, read_log(self.save_dir))
 
     # ---- validation -------------------------------------------------------------------------------
+    # With DDP every rank validates its share (every world_size-th batch or sentence) on the unwrapped model,
+    # which runs no collective, and the sums or hypotheses are then combined: no work is duplicated, and
+    # every rank ends up with the same numbers, hence the same best-model and early-stopping decisions.
     @torch.no_grad()
     def validation_loss(self) -> tuple[float, int]:
         """Mean NLL per target token on the validation split."""
@@ -354,12 +413,13 @@ class Trainer:
         sampler = TokenBatchSampler(self.valid_data.src.sizes, self.valid_data.tgt.sizes,
                                     self.config.data.max_tokens, shuffle=False)
         nll_sum, tokens = 0.0, 0
-        for idx in sampler.batches(1):
+        for idx in distributed.shard(sampler.batches(1), self.dist):
             b = self.valid_data.batch(idx).to(self.device)
             _, nll = label_smoothed_nll(self.model(b.src, b.tgt_in), b.tgt_out, 0.0)
             nll_sum += float(nll)
             tokens += b.num_tgt_tokens
-        return nll_sum / max(tokens, 1), tokens
+        nll_sum, total = distributed.all_reduce([nll_sum, tokens], self.device)
+        return nll_sum / max(total, 1), int(total)
 
     def validation_bleu(self) -> float:
         assert self.valid_data is not None
@@ -370,9 +430,9 @@ class Trainer:
                                              "nbest": 1, "greedy": tc.valid_beam_size == 1})
         self.model.eval()
         translator = Translator(self.model, self.src_tok, self.tgt_tok, decode)
-        sources = [self.valid_data.src[i].tolist() for i in range(n)]
-        hyps = translator.translate_ids(sources)
-        hyp_text = [self.tgt_tok.decode(h[0].tokens) for h in hyps]
+        sources = [self.valid_data.src[i].tolist() for i in distributed.shard(range(n), self.dist)]
+        mine = [self.tgt_tok.decode(h[0].tokens) for h in translator.translate_ids(sources)]
+        hyp_text = distributed.unshard(distributed.all_gather_object(mine), n)
         refs = [self.tgt_tok.decode(self.valid_data.tgt[i].tolist()) for i in range(n)]
         return bleu(hyp_text, refs).score
 

@@ -126,3 +126,42 @@ def test_load_meta_on_unprepared_directory(tmp_path):
 def test_missing_train_split_is_rejected(tmp_path, corpus):
     with pytest.raises(ValueError, match="train"):
         prepare({"valid": corpus["valid"]}, ["en", "de"], tmp_path / "o")
+
+
+def test_workers_encode_in_order_and_write_identical_output(tmp_path, corpus):
+    outs = {}
+    for workers in (1, 2):  # small chunks: many of them in flight, each encoded by whichever worker is free
+        outs[workers] = tmp_path / f"w{workers}"
+        prepare(corpus, ["en", "de"], outs[workers], vocab_size=200, joint=False, chunk_size=16, workers=workers,
+                progress=False)
+    files = sorted(p.name for p in outs[1].iterdir())
+    assert files == sorted(p.name for p in outs[2].iterdir()) and "train.de.bin" in files
+    for name in files:  # a .model also records where it was trained (its path); its pieces are in the .vocab
+        if not name.endswith(".model"):
+            assert (outs[1] / name).read_bytes() == (outs[2] / name).read_bytes(), name
+    with pytest.raises(ValueError, match="workers"):
+        prepare(corpus, ["en", "de"], tmp_path / "w0", workers=0)
+
+
+def test_ordered_map_keeps_order_and_reads_ahead_boundedly():
+    from concurrent.futures import Future
+
+    from nmtflow.data.prepare import _ordered_map
+
+    read = []
+
+    def items():
+        for i in range(20):
+            read.append(i)
+            yield i
+
+    def submit(x):
+        f = Future()
+        f.set_result(x * x)
+        return f
+
+    out = []
+    for y in _ordered_map(submit, items(), 3):
+        out.append(y)
+        assert len(read) - len(out) <= 3  # never more than the window ahead of the consumer
+    assert out == [i * i for i in range(20)]

@@ -146,3 +146,33 @@ def test_a_prepared_directory_is_used_as_it_is(compared) -> None:
     item = {"src_file": None, "ref_file": None, "data_dir": str(data.dir), "split": "test", "src": "en", "tgt": "de"}
     src, ref = load_texts(item, 5)  # without raw files: the prepared split, detokenised
     assert src == read_lines(out / "corpus" / "test.en")[:5] and ref == read_lines(out / "corpus" / "test.de")[:5]
+
+
+def test_parallel_runs_match_sequential_runs(compared, tmp_path: Path, caplog) -> None:
+    """``parallel: 2`` trains both runs at once in their own processes, with the same results as one by one."""
+    experiment, out, _ = compared
+    with caplog.at_level(logging.INFO, logger="nmtflow.compare"):
+        result = run_comparison(experiment, out=tmp_path / "par", overrides=["parallel=2", "devices=[cpu]"])
+    assert not result.failed and [r["status"] for r in result.runs] == ["done", "done"]
+    assert "training 2 runs, 2 at a time" in caplog.text and caplog.text.count("started on cpu") == 2
+    for name in ("baseline", "shortcuts"):
+        seq, par = ([r for line in (root / "runs" / name / "seed-1" / "log.jsonl").read_text().splitlines()
+                     if "loss" in (r := json.loads(line))] for root in (out, tmp_path / "par"))
+        assert len(par) == len(seq) >= 10 and par[-1]["update"] == 10
+        assert [r["loss"] for r in par] == pytest.approx([r["loss"] for r in seq], rel=1e-6)
+
+
+def test_parallel_needs_isolated_runs(compared) -> None:
+    experiment, _, _ = compared
+    with pytest.raises(ConfigError, match="parallel: 2 runs at once need isolate: true"):
+        load_experiment(experiment, ["parallel=2", "isolate=false"])
+
+
+def test_only_reports_the_named_runs_and_rejects_unknown_names(compared) -> None:
+    experiment, out, _ = compared
+    ckpt = out / "runs" / "shortcuts" / "seed-1" / "checkpoint_last.pt"
+    before = ckpt.stat().st_mtime_ns
+    result = run_comparison(experiment, out=out, only=["shortcuts"])
+    assert [r["name"] for r in result.runs] == ["shortcuts"] and ckpt.stat().st_mtime_ns == before
+    with pytest.raises(ConfigError, match=r"--only: no run named 'nope' \(runs: baseline, shortcuts\)"):
+        run_comparison(experiment, out=out, only=["nope"])

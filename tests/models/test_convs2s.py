@@ -13,12 +13,14 @@ from torch import nn
 
 from nmtflow.cli import main as cli
 from nmtflow.config import load_config, to_dict
-from nmtflow.data.vocab import BOS, EOS, PAD
+from nmtflow.data.vocab import BOS, EOS
 from nmtflow.decode.search import beam_search, greedy_search, sequence_logprobs
 from nmtflow.decode.translate import Translator
 from nmtflow.models.base import Vocabularies, build_model, count_parameters
 from nmtflow.nn.conv import GLUConv
 from nmtflow.train.trainer import Trainer, read_log
+
+from tests.conftest import padded_batch
 
 from tests.conftest import tiny_config
 
@@ -57,13 +59,7 @@ def make(variant: str = "densenmt-2", seed: int = 0, **model: object) -> nn.Modu
 
 
 def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, V, (3, 9), generator=g)
-    src[1, 6:] = PAD
-    src[2, 4:] = PAD
-    tgt = torch.randint(4, V, (3, 7), generator=g)
-    tgt[:, 0] = BOS
-    return src, tgt
+    return padded_batch(V, seed)
 
 
 # ---- causality and incremental decoding -------------------------------------------------------------

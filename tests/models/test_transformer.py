@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from nmtflow.config import load_config
-from nmtflow.data.vocab import BOS, PAD
+from nmtflow.data.vocab import PAD
 from nmtflow.models.base import Vocabularies, build_model, count_parameters
+
+from tests.conftest import padded_batch
 
 V = 50
 
@@ -21,13 +23,7 @@ def make(pre_norm: bool = True, seed: int = 0, **model: object) -> torch.nn.Modu
 
 
 def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, V, (3, 9), generator=g)
-    src[1, 6:] = PAD
-    src[2, 4:] = PAD
-    tgt = torch.randint(4, V, (3, 7), generator=g)
-    tgt[:, 0] = BOS
-    return src, tgt
+    return padded_batch(V, seed)
 
 
 @pytest.mark.parametrize("pre_norm", [True, False])

@@ -15,6 +15,8 @@ from nmtflow.models.base import Vocabularies, build_model, reorder
 from nmtflow.nn.attention import AttentionContext, split_heads
 from nmtflow.nn.shortcuts import ShortcutAttention, ShortcutOptions
 
+from tests.conftest import padded_batch
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 V = 50
@@ -44,13 +46,7 @@ def make(variant: str, pre_norm: bool = True, seed: int = 0) -> torch.nn.Module:
 
 
 def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    src = torch.randint(4, V, (3, 9), generator=g)
-    src[1, 6:] = PAD
-    src[2, 4:] = PAD
-    tgt = torch.randint(4, V, (3, 7), generator=g)
-    tgt[:, 0] = BOS
-    return src, tgt
+    return padded_batch(V, seed)
 
 
 def shortcut_modules(model: torch.nn.Module) -> list[ShortcutAttention]:

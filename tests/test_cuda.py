@@ -1,0 +1,82 @@
+"""GPU checks: every architecture on CUDA (incremental = full, CUDA = CPU), and training in fp32 / bf16 / fp16.
+
+Skipped where no CUDA device exists (CI); run on a GPU machine with ``python -m pytest tests/test_cuda.py``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from nmtflow.config import load_config
+from nmtflow.decode.search import beam_search
+from nmtflow.decode.translate import Translator
+from nmtflow.models.base import Vocabularies, build_model
+from nmtflow.models.multilingual import LanguageVocabularies
+from nmtflow.train.checkpoint import load_checkpoint
+from nmtflow.train.trainer import Trainer, read_log
+
+from tests.conftest import copy_sentences, padded_batch, tiny_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+V = 40
+TRANSFORMER = {"name": "transformer", "d_model": 32, "ffn_dim": 64, "heads": 4, "encoder_layers": 2,
+               "decoder_layers": 2}
+CONV = {"embed_dim": 32, "hidden": 32, "growth": 16, "encoder_layers": 2, "decoder_layers": 2}
+MODELS: dict[str, dict[str, Any]] = {
+    "transformer": TRANSFORMER,
+    "shortcuts": {**TRANSFORMER, "encoder_self_attention": {"type": "shortcut"},
+                  "decoder_self_attention": {"type": "shortcut"}},
+    "feature-fusion": {**TRANSFORMER, "encoder_self_attention": {"type": "shortcut", "feature_fusion": True},
+                       "decoder_self_attention": {"type": "shortcut", "feature_fusion": True}},
+    "phrasal-123": {**TRANSFORMER, **{k: {"type": "phrasal", "ngrams": [1, 2, 3]} for k in
+                                      ("encoder_self_attention", "decoder_self_attention", "cross_attention")}},
+    "convs2s": {"name": "convs2s", **CONV},
+    "densenmt-2": {"name": "densenmt", "attention": "dense2", **CONV},
+    "bridge": {"name": "bridge", "hidden_dim": 32, "encoder_layers": 1, "decoder_layers": 1, "bridge_heads": 3,
+               "bridge_dim": 16},
+}
+
+
+def make(model: dict[str, Any]) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if model["name"] == "bridge":
+        vocabs = LanguageVocabularies(V, V, True, encoders={"en": V, "de": V}, decoders={"en": V, "de": V})
+        return build_model(load_config(data={"model": model}).model, vocabs).pair("en", "de").eval()
+    return build_model(load_config(data={"model": {**model, "dropout": 0.0}}).model, Vocabularies(V, V)).eval()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cuda_matches_cpu_and_incremental_matches_full(name: str) -> None:
+    cpu_model = make(MODELS[name])
+    src, tgt = padded_batch(V)
+    with torch.no_grad():
+        expected = cpu_model(src, tgt)
+        model = cpu_model.cuda()
+        s, t = src.cuda(), tgt.cuda()
+        full = model(s, t)
+        enc, state = model.encode(s), {}
+        steps = torch.cat([model.decode(t[:, i:i + 1], enc, state) for i in range(t.size(1))], 1)
+    torch.testing.assert_close(full.cpu(), expected, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(steps, full, atol=2e-4, rtol=2e-4)
+    hyps = beam_search(model, s, beam_size=3, max_len_a=1.0, max_len_b=5)
+    assert len(hyps) == 3 and all(h[0].tokens is not None for h in hyps)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_training_on_cuda_in_each_precision(copy_data: Path, tmp_path: Path, precision: str) -> None:
+    config = tiny_config(copy_data, tmp_path / precision, max_updates=600, validate_every=200, save_every=200,
+                         lr=5e-3, warmup_updates=50, device="cuda", precision=precision)
+    result = Trainer(config).train()
+    train = [e for e in read_log(tmp_path / precision) if e["kind"] == "train"]
+    assert result.progress.update == 600 and all(torch.isfinite(torch.tensor(e["loss"])) for e in train)
+    assert train[-1]["loss"] < 0.5 * train[0]["loss"]  # it learns the copy task in every precision
+    state = load_checkpoint(tmp_path / precision / "checkpoint_last.pt")  # weights_only, mapped to the CPU
+    assert all(v.device.type == "cpu" for v in state["model"].values())
+    translator = Translator.from_checkpoint(tmp_path / precision / "checkpoint_last.pt", torch.device("cuda"))
+    sources = copy_sentences(20, seed=99)
+    hyps = [nb[0][0] for nb in translator.translate(sources)]
+    assert sum(h == s for h, s in zip(hyps, sources)) >= 10, hyps[:3]
