@@ -213,6 +213,7 @@ def plot_phrase_share(result: dict[str, Any], path: Path) -> None:
         ax.plot([r["layer"] for r in layers], [r["phrase_share"] for r in layers], marker="o",
                 label=SLOT_TITLES.get(slot, slot))
     ax.set(xlabel="layer", ylabel="attention mass on phrases", ylim=(0, 1), title="Share of attention on phrases")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # layers are whole numbers
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     FigureCanvasAgg(fig)

@@ -112,13 +112,7 @@ def open_translator(path: str | Path, src_lang: str | None = None, tgt_lang: str
 
 
 def path_labels(paths: Sequence[str | Path]) -> list[str]:
-    """The shortest distinct ``…/DIR/FILE`` endings (without ``.pt``) of the paths, at least ``DIR/FILE``: e.g.
-    ``rnn/seed-1/averaged`` and ``bridge-k10/seed-1/averaged`` for two runs of ``nmtflow compare``."""
-    parts = [Path(p).with_suffix("").parts if Path(p).suffix == ".pt" else Path(p).parts for p in paths]
-    for depth in range(2, max(map(len, parts), default=2) + 1):
-        labels = ["/".join(q[-depth:]) for q in parts]
-        if len(set(labels)) == len(labels):
-            return labels
+    """Default labels of checkpoints: :func:`nmtflow.analysis.states.default_labels`."""
     return default_labels(paths)
 
 

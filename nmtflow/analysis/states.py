@@ -50,9 +50,15 @@ class BatchStates:
 
 
 def default_labels(paths: Sequence[str | Path]) -> list[str]:
-    """``DIR/FILE`` stems (e.g. ``shortcuts/checkpoint_best``), the full path where those collide."""
-    short = [f"{Path(p).parent.name}/{Path(p).stem}" for p in paths]
-    return short if len(set(short)) == len(short) else [str(p) for p in paths]
+    """The shortest distinct ``…/DIR/FILE`` endings (without ``.pt``) of the paths, at least ``DIR/FILE``: e.g.
+    ``shortcuts/checkpoint_best``, or ``rnn/seed-1/averaged`` and ``bridge-k10/seed-1/averaged`` for two runs of
+    ``nmtflow compare``; the full paths where even those collide."""
+    parts = [Path(p).with_suffix("").parts if Path(p).suffix == ".pt" else Path(p).parts for p in paths]
+    for depth in range(2, max(map(len, parts), default=2) + 1):
+        labels = ["/".join(q[-depth:]) for q in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]
 
 
 def load_models(paths: Sequence[str | Path], data_dir: str | Path, split: str, labels: Sequence[str] | None = None,

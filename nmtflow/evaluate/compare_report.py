@@ -19,7 +19,7 @@ from nmtflow.config import to_dict
 from nmtflow.evaluate.compare_job import write_json
 from nmtflow.evaluate.experiment import ExperimentConfig
 
-PLOTS = ("valid_bleu.png", "valid_loss.png", "bleu_vs_parameters.png")
+PLOTS = ("valid_bleu.png", "valid_loss.png", "train_loss.png", "bleu_vs_parameters.png")
 
 
 def machine_info(device: str, threads: int | None) -> dict[str, Any]:
@@ -169,21 +169,22 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def validation_curves(run: dict[str, Any], metric: str) -> tuple[list[int], list[float]]:
-    """Validation ``metric`` per update, averaged over the run's seeds."""
+def validation_curves(run: dict[str, Any], metric: str, kind: str = "valid") -> tuple[list[int], list[float]]:
+    """``metric`` of the log entries of ``kind`` (valid: validation, train: training) per update, averaged over
+    the run's seeds."""
     from nmtflow.train.trainer import read_log
 
     by_update: dict[int, list[float]] = {}
     for s in run["seeds"]:
         for e in read_log(s["dir"]):
-            if e.get("kind") == "valid" and metric in e:
+            if e.get("kind") == kind and metric in e:
                 by_update.setdefault(e["update"], []).append(e[metric])
     updates = sorted(by_update)
     return updates, [mean(by_update[u]) for u in updates]
 
 
 def plot_comparison(out: Path, runs: list[dict[str, Any]]) -> list[Path]:
-    """valid_bleu.png and valid_loss.png (one line per run) and bleu_vs_parameters.png."""
+    """valid_bleu.png, valid_loss.png and train_loss.png (one line per run) and bleu_vs_parameters.png."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -192,14 +193,15 @@ def plot_comparison(out: Path, runs: list[dict[str, Any]]) -> list[Path]:
         fig.savefig(path, dpi=120)
 
     paths = []
-    for name, metric, ylabel in (("valid_bleu.png", "bleu", "validation BLEU"),
-                                 ("valid_loss.png", "nll", "validation loss (NLL per token)")):
+    for name, kind, metric, ylabel in (("valid_bleu.png", "valid", "bleu", "validation BLEU"),
+                                       ("valid_loss.png", "valid", "nll", "validation loss (NLL per token)"),
+                                       ("train_loss.png", "train", "loss", "training loss (per token)")):
         fig = Figure(figsize=(6.5, 4), layout="constrained")
         ax = fig.subplots()
         for r in runs:
-            xs, ys = validation_curves(r, metric)
+            xs, ys = validation_curves(r, metric, kind)
             if xs:
-                ax.plot(xs, ys, marker="o", markersize=3, label=r["name"])
+                ax.plot(xs, ys, marker="o" if kind == "valid" else None, markersize=3, label=r["name"])
         ax.set(xlabel="update", ylabel=ylabel, title=f"{ylabel} (mean over seeds)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

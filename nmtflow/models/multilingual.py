@@ -123,6 +123,9 @@ class BridgeConfig(ModelConfig):
     bridge_heads: int = 10  # k: rows of M
     bridge_dim: int = 1024  # d_w
     penalty: float = 1.0  # λ of Eq. 10; 0 switches the penalty off
+    # sentence (SPEC §5): λ · mean over sentences, against the per-token mean cross-entropy; token: λ · sum over
+    # sentences / source tokens, i.e. about one sentence length weaker, as against a per-sentence summed loss
+    penalty_scale: str = "sentence"
 
     def validate(self, where: str) -> None:
         for side in ("encoder", "decoder"):
@@ -136,6 +139,8 @@ class BridgeConfig(ModelConfig):
             raise ConfigError(f"{where}: bridge_heads and bridge_dim must be >= 1")
         if self.penalty < 0:
             raise ConfigError(f"{where}.penalty: must be >= 0, got {self.penalty}")
+        if self.penalty_scale not in ("sentence", "token"):
+            raise ConfigError(f"{where}.penalty_scale: expected sentence or token, got {self.penalty_scale!r}")
 
     def transformer_config(self) -> TransformerConfig:
         """The Transformer sizes used by transformer encoders/decoders."""
@@ -229,9 +234,15 @@ class AttentionBridgeModel(MultilingualModel):
         return decoder(tgt_in, {"out": memory, "padding_mask": no_padding}, state)
 
     def auxiliary_loss(self, enc: EncoderOut) -> Tensor | None:
+        """λ‖AAᵀ − I‖²_F (Eq. 10): averaged over the sentences (``penalty_scale: sentence``, SPEC §5) or summed
+        over them and divided by the batch's source tokens (``token``)."""
         if self.config.penalty == 0:
             return None
-        return self.config.penalty * bridge_penalty(enc["bridge_attention"])
+        penalty = bridge_penalty(enc["bridge_attention"])  # mean over the sentences
+        if self.config.penalty_scale == "token":
+            mask = enc["padding_mask"]
+            penalty = penalty * mask.size(0) / (~mask).sum().clamp(min=1)
+        return self.config.penalty * penalty
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class MultilingualTrainer(Trainer):
     """Trains a :class:`MultilingualModel` on ``data.multilingual``; see the module docstring."""
 
     model: MultilingualModel
+    find_unused_parameters = True  # a step updates one direction's encoder and decoder, not the others
 
     # ---- data --------------------------------------------------------------------------------------
     def setup_data(self) -> None:

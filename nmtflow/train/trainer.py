@@ -74,6 +74,9 @@ class Trainer:
     TensorBoard scalars under ``tensorboard/``.
     """
 
+    # DDP: every parameter takes part in every step (no extra autograd-graph traversal per update)
+    find_unused_parameters: bool = False
+
     def __init__(self, config: Config, *, resume: bool = True) -> None:
         self.config = config
         tc = config.train
@@ -117,7 +120,7 @@ class Trainer:
         # DDP all-reduces gradients during backward (hooks); it starts from rank 0's parameters
         self.ddp = None if not self.dist.enabled else DistributedDataParallel(
             _StepModule(self.model), device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            find_unused_parameters=True)
+            find_unused_parameters=self.find_unused_parameters)
         if self.dist.is_main:
             (self.save_dir / "config.yaml").write_text(_yaml(to_dict(config)), encoding="utf-8")
 

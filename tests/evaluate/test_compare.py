@@ -73,7 +73,7 @@ def test_two_config_comparison_writes_table_json_and_plots(compared) -> None:
         assert r["seeds"][0]["result"]["checkpoint"] == "averaged.pt"
         assert r["seeds"][0]["result"]["averaged_from"] == ["checkpoint_5.pt", "checkpoint_10.pt"]
     assert runs["shortcuts"]["parameters"] > runs["baseline"]["parameters"]  # the gated E → K/V projections
-    for name in ("valid_bleu.png", "valid_loss.png", "bleu_vs_parameters.png"):
+    for name in ("valid_bleu.png", "valid_loss.png", "train_loss.png", "bleu_vs_parameters.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     hyp = out / "runs" / "baseline" / "seed-1" / "hyp.test.en-de.txt"
     assert len(hyp.read_text(encoding="utf-8").splitlines()) == 20

@@ -68,6 +68,9 @@ def test_bridge_output_penalty_and_direction_checks() -> None:
     assert model.decode(tgt, enc, lang="en").shape == (3, 7, V)  # any decoder reads any encoder's M
     assert model.auxiliary_loss(enc).item() > 0
     assert make({**TINY_BRIDGE, "penalty": 0.0}).auxiliary_loss(enc) is None
+    # penalty_scale: token = the sentences' sum over the batch's source tokens (3 sentences, 9 + 6 + 4 tokens)
+    per_token = make({**TINY_BRIDGE, "penalty_scale": "token"}).auxiliary_loss(enc)
+    torch.testing.assert_close(per_token, model.auxiliary_loss(enc) * 3 / 19)
     with pytest.raises(ValueError, match="no encoder for language 'fr'"):
         model.pair("fr", "en")
     with pytest.raises(ValueError, match="name the language"):
