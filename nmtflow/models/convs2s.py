@@ -115,8 +115,10 @@ class DenseNMTConfig(ConvS2SConfig):
         "4l-2": dict(encoder_layers=4, decoder_layers=4, embed_dim=256, growth=128, attention="dense2"),
         "8l-1": dict(encoder_layers=8, decoder_layers=8, embed_dim=256, growth=96, attention="dense1"),
         "8l-2": dict(encoder_layers=8, decoder_layers=8, embed_dim=256, growth=96, attention="dense2"),
-        # DenseNMT-En-De-15: ConvS2S WMT'14 layout with 1/4 of the hidden units, same kernels, sumlen 6
-        "wmt-15l": dict(embed_dim=768, layer_groups=[(9, 128, 3), (4, 256, 3), (2, 512, 1)], sumlen=6,
+        # DenseNMT-En-De-15: ConvS2S WMT'14 layout, same kernels, sumlen 6
+        # growth 5/16 of ConvS2S's hidden units: 20% fewer parameters than convs2s wmt-15l at a 40k vocabulary
+        # (176.3M vs 220.3M), as the paper reports for its En-De model (Table 5)
+        "wmt-15l": dict(embed_dim=768, layer_groups=[(9, 160, 3), (4, 320, 3), (2, 640, 1)], sumlen=6,
                         attention="dense2"),
     }
 
