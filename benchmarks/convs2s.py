@@ -17,19 +17,16 @@ import json
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark module
-from throughput import Optimiser, peak_rss_mb  # noqa: E402
+from throughput import (Optimiser, add_common_args, peak_rss_mb, prepared_data, timed_training,  # noqa: E402
+                        training_batches)
 
 from nmtflow.config import load_config, read_yaml  # noqa: E402
-from nmtflow.data.batching import TokenBatchSampler  # noqa: E402
-from nmtflow.data.bitext import open_bitext  # noqa: E402
-from nmtflow.data.prepare import load_meta, load_tokenizer, prepare  # noqa: E402
 from nmtflow.models.base import Vocabularies, build_model, count_parameters  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -56,41 +53,23 @@ def model_sections(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, required=True, help="directory with train.LANG")
-    p.add_argument("--src", default="en")
-    p.add_argument("--tgt", default="de")
     p.add_argument("--work", type=Path, help="prepared-data cache (default runs/bench-conv-data-SRC-TGT)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/convs2s.json"))
     p.add_argument("--densenmt-config", type=Path, default=CONFIGS / "densenmt-4l-2.yaml")
     p.add_argument("--convs2s-config", type=Path, default=CONFIGS / "convs2s-4l.yaml")
     p.add_argument("--transformer-layers", type=int, default=4, help="encoder and decoder layers")
     p.add_argument("--tiny", action="store_true", help="tiny models: checks that the script runs")
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--warmup", type=int, default=5, help="untimed training batches per system")
-    p.add_argument("--steps", type=int, default=40, help="timed training batches per system")
-    p.add_argument("--rounds", type=int, default=4, help="alternating blocks the timed steps are split into")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu", help="cpu | cuda (timings synchronise the GPU)")
-    p.add_argument("--seed", type=int, default=1)
+    add_common_args(p, warmup=5, steps=40, rounds=4)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     # 1. data: the same collated batches for every system
     work = args.work or Path(f"runs/bench-conv-data-{args.src}-{args.tgt}")
-    if not (work / "meta.json").is_file():
-        prepare({"train": args.data / "train"}, [args.src, args.tgt], work, vocab_size=args.vocab_size, joint=True)
-    vocab = load_tokenizer(work, args.tgt, load_meta(work)).vocab_size
-    train = open_bitext(work, "train", args.src, args.tgt)
-    sampler = TokenBatchSampler(train.src.sizes, train.tgt.sizes, args.max_tokens, shuffle=True, seed=args.seed)
-    order, epoch = [], 1
-    while len(order) < args.warmup + args.steps:
-        order += sampler.batches(epoch)
-        epoch += 1
-    batches = [train.batch(idx).to(device) for idx in order[:args.warmup + args.steps]]
+    vocab = prepared_data(args, work, with_valid=False)
+    batches = training_batches(work, args, args.warmup + args.steps, device)
     warm, timed = batches[:args.warmup], batches[args.warmup:]
 
     # 2. models (same seed before each), one optimiser configuration for all
@@ -102,20 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device), cfg.train)
 
     # 3. untimed warm-up, then alternating timed blocks over the same batches
-    for opt in systems.values():
-        for b in warm:
-            opt.step(b)
-    seconds = dict.fromkeys(systems, 0.0)
-    losses: dict[str, list[float]] = {name: [] for name in systems}
+    seconds, losses = timed_training(systems, warm, timed, args.rounds, device)
     rounds = max(1, min(args.rounds, len(timed)))
-    for i in range(rounds):
-        block = timed[i * len(timed) // rounds:(i + 1) * len(timed) // rounds]
-        for name, opt in systems.items():
-            for b in block:
-                sync()
-                start = time.perf_counter()
-                losses[name].append(opt.step(b))
-                seconds[name] += time.perf_counter() - start
     tokens = sum(b.num_tgt_tokens for b in timed)
 
     # 4. report

@@ -26,14 +26,13 @@ from typing import Any
 import torch
 
 from nmtflow.config import load_config
-from nmtflow.data.batching import Batch, TokenBatchSampler, collate
+from nmtflow.data.batching import Batch, collate
 from nmtflow.data.bitext import open_bitext
-from nmtflow.data.prepare import load_meta, load_tokenizer, prepare
 from nmtflow.decode.search import max_output_lengths
 from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
 from nmtflow.train.loss import label_smoothed_nll
-from throughput import Optimiser, decode_batch, peak_rss_mb  # the sibling benchmark's step, search and RSS
+from throughput import Optimiser, add_common_args, decode_batch, peak_rss_mb, prepared_data, training_batches  # the sibling benchmark's step, search and RSS
 
 
 def slots(ngrams: list[int] | None) -> dict[str, Any]:
@@ -66,24 +65,15 @@ def activation_mb(model: EncoderDecoder, b: Batch) -> float:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, required=True, help="directory with train.LANG and val.LANG (or valid.LANG)")
-    p.add_argument("--src", default="en")
-    p.add_argument("--tgt", default="de")
     p.add_argument("--work", type=Path, help="prepared-data cache (default runs/bench-data-SRC-TGT, as throughput.py)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/phrasal.json"))
     p.add_argument("--ngrams", nargs="+", default=["12", "123"], help="n-gram sets, digits each (12 = {1,2})")
     p.add_argument("--preset", default="small", choices=["small", "base", "big"])
     p.add_argument("--layers", type=int, default=3, help="encoder and decoder layers")
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--warmup", type=int, default=3, help="untimed training batches per system")
-    p.add_argument("--steps", type=int, default=30, help="timed training batches per system")
-    p.add_argument("--rounds", type=int, default=3, help="alternating blocks the timed steps are split into")
     p.add_argument("--decode-sentences", type=int, default=200)
     p.add_argument("--decode-max-tokens", type=int, default=6000)
     p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1)
+    add_common_args(p, warmup=3, steps=30, rounds=3)
     args = p.parse_args(argv)
     if args.steps < 1 or args.decode_sentences < 1:
         p.error("--steps and --decode-sentences must be >= 1")
@@ -93,18 +83,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 1. data: the same preparation (and default cache) as throughput.py; batches collated once, untimed
     work = args.work or Path(f"runs/bench-data-{args.src}-{args.tgt}")
-    if not (work / "meta.json").is_file():
-        valid = "val" if (args.data / f"val.{args.src}").is_file() else "valid"
-        prepare({"train": args.data / "train", "valid": args.data / valid}, [args.src, args.tgt], work,
-                vocab_size=args.vocab_size, joint=True)
-    vocab = load_tokenizer(work, args.tgt, load_meta(work)).vocab_size
-    train, valid_set = open_bitext(work, "train", args.src, args.tgt), open_bitext(work, "valid", args.src, args.tgt)
-    sampler = TokenBatchSampler(train.src.sizes, train.tgt.sizes, args.max_tokens, shuffle=True, seed=args.seed)
-    needed, order, epoch = args.warmup + args.steps, [], 1
-    while len(order) < needed:
-        order += sampler.batches(epoch)
-        epoch += 1
-    batches = [train.batch(idx).to(device) for idx in order[:needed]]
+    vocab = prepared_data(args, work)
+    valid_set = open_bitext(work, "valid", args.src, args.tgt)
+    batches = training_batches(work, args, args.warmup + args.steps, device)
     warm, timed = batches[:args.warmup], batches[args.warmup:]
     sources = [valid_set.src[i].tolist() for i in range(min(args.decode_sentences, len(valid_set)))]
     src_batches = [collate([sources[i] for i in rows], [[]] * len(rows)).src.to(device)

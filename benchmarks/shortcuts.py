@@ -17,18 +17,14 @@ import argparse
 import json
 import os
 import platform
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from nmtflow.config import load_config
-from nmtflow.data.batching import TokenBatchSampler
-from nmtflow.data.bitext import open_bitext
-from nmtflow.data.prepare import load_meta, load_tokenizer, prepare
 from nmtflow.models.base import Vocabularies, build_model, count_parameters
-from throughput import Optimiser, peak_rss_mb  # the sibling benchmark's training step (same batches, same step)
+from throughput import Optimiser, add_common_args, peak_rss_mb, prepared_data, timed_training, training_batches  # the sibling benchmark's training step (same batches, same step)
 
 PAPER_WORDS_PER_S = {"baseline": 29_698, "shortcuts": 26_423, "feature_fusion": 23_601}  # Table 5, base
 SC = {"type": "shortcut"}
@@ -43,40 +39,21 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, required=True, help="directory with train.LANG and val.LANG")
-    p.add_argument("--src", default="en")
-    p.add_argument("--tgt", default="de")
     p.add_argument("--work", type=Path, help="prepared-data cache (default runs/bench-data-SRC-TGT, as throughput.py)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/shortcuts.json"))
     p.add_argument("--preset", default="small", choices=["small", "base", "big"])
     p.add_argument("--layers", type=int, default=6, help="encoder and decoder layers (shortcuts go into all)")
-    p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--warmup", type=int, default=3, help="untimed training batches per system")
-    p.add_argument("--steps", type=int, default=30, help="timed training batches per system")
-    p.add_argument("--rounds", type=int, default=3, help="alternating blocks the timed steps are split into")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu", help="cpu | cuda (timings synchronise the GPU)")
-    p.add_argument("--seed", type=int, default=1)
+    add_common_args(p, warmup=3, steps=30, rounds=3)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     # 1. data: the same preparation (and default cache) as throughput.py; batches collated once, untimed
     work = args.work or Path(f"runs/bench-data-{args.src}-{args.tgt}")
-    if not (work / "meta.json").is_file():
-        prepare({"train": args.data / "train", "valid": args.data / "val"}, [args.src, args.tgt], work,
-                vocab_size=args.vocab_size, joint=True)
-    vocab = load_tokenizer(work, args.tgt, load_meta(work)).vocab_size
-    train = open_bitext(work, "train", args.src, args.tgt)
-    sampler = TokenBatchSampler(train.src.sizes, train.tgt.sizes, args.max_tokens, shuffle=True, seed=args.seed)
-    needed, order, epoch = args.warmup + args.steps, [], 1
-    while len(order) < needed:
-        order += sampler.batches(epoch)
-        epoch += 1
-    batches = [train.batch(idx).to(device) for idx in order[:needed]]
+    vocab = prepared_data(args, work)
+    batches = training_batches(work, args, args.warmup + args.steps, device)
     warm, timed = batches[:args.warmup], batches[args.warmup:]
 
     # 2. models: one config, only the attention slots differ
@@ -90,20 +67,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device), cfg.train)
 
     # 3. untimed warm-up, then alternating timed blocks over the same batches
-    for opt in systems.values():
-        for b in warm:
-            opt.step(b)
-    seconds = dict.fromkeys(systems, 0.0)
-    losses: dict[str, float] = {}
+    seconds, all_losses = timed_training(systems, warm, timed, args.rounds, device)
+    losses = {name: values[-1] for name, values in all_losses.items()}
     rounds = max(1, min(args.rounds, len(timed)))
-    for r in range(rounds):
-        block = timed[r * len(timed) // rounds:(r + 1) * len(timed) // rounds]
-        for name, opt in systems.items():
-            for b in block:
-                sync()
-                start = time.perf_counter()
-                losses[name] = opt.step(b)
-                seconds[name] += time.perf_counter() - start
     tokens = sum(b.num_tgt_tokens for b in timed)
 
     # 4. report

@@ -140,50 +140,88 @@ def decode_batch(model: EncoderDecoder, src: Tensor, args: argparse.Namespace) -
     return time.perf_counter() - start, [len(h[0].tokens) for h in hyps]
 
 
+# ---- shared by the sibling benchmarks (shortcuts.py, phrasal.py, convs2s.py) --------------------------------
+def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, rounds: int) -> None:
+    """The options every same-batches training benchmark takes (data, batches, timing, device)."""
+    p.add_argument("--src", default="en")
+    p.add_argument("--tgt", default="de")
+    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed training batches per system")
+    p.add_argument("--steps", type=int, default=steps, help="timed training batches per system")
+    p.add_argument("--rounds", type=int, default=rounds, help="alternating blocks the timed steps are split into")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (timings synchronise the GPU)")
+    p.add_argument("--seed", type=int, default=1)
+
+
+def prepared_data(args: argparse.Namespace, work: Path, with_valid: bool = True) -> int:
+    """Prepare ``args.data`` (train, and val or valid) into the cache ``work`` once; returns the vocabulary size."""
+    if not (work / "meta.json").is_file():
+        splits = {"train": args.data / "train"}
+        if with_valid:
+            splits["valid"] = args.data / ("val" if (args.data / f"val.{args.src}").is_file() else "valid")
+        prepare(splits, [args.src, args.tgt], work, vocab_size=args.vocab_size, joint=True)
+    return load_tokenizer(work, args.tgt, load_meta(work)).vocab_size
+
+
+def training_batches(work: Path, args: argparse.Namespace, count: int, device: torch.device) -> list[Batch]:
+    """The first ``count`` token batches of the shuffled training epochs, collated once (batching is not timed)."""
+    train = open_bitext(work, "train", args.src, args.tgt)
+    sampler = TokenBatchSampler(train.src.sizes, train.tgt.sizes, args.max_tokens, shuffle=True, seed=args.seed)
+    order, epoch = [], 1
+    while len(order) < count:
+        order += sampler.batches(epoch)
+        epoch += 1
+    return [train.batch(idx).to(device) for idx in order[:count]]
+
+
+def timed_training(systems: dict[str, Optimiser], warm: list[Batch], timed: list[Batch], rounds: int,
+                   device: torch.device) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Untimed warm-up, then alternating timed blocks over the same batches → (seconds, losses) per system."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for opt in systems.values():
+        for b in warm:
+            opt.step(b)
+    seconds = dict.fromkeys(systems, 0.0)
+    losses: dict[str, list[float]] = {name: [] for name in systems}
+    rounds = max(1, min(rounds, len(timed)))
+    for i in range(rounds):
+        block = timed[i * len(timed) // rounds:(i + 1) * len(timed) // rounds]
+        for name, opt in systems.items():
+            for b in block:
+                sync()
+                start = time.perf_counter()
+                losses[name].append(opt.step(b))  # .item() inside: the step has finished
+                seconds[name] += time.perf_counter() - start
+    return seconds, losses
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, required=True, help="directory with train.LANG and val.LANG")
-    p.add_argument("--src", default="en")
-    p.add_argument("--tgt", default="de")
     p.add_argument("--work", type=Path, help="prepared-data cache (default runs/bench-data-SRC-TGT)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/throughput.json"))
-    p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--layers", type=int, default=3, help="encoder and decoder layers of both systems")
-    p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--warmup", type=int, default=5, help="untimed training batches per system")
-    p.add_argument("--steps", type=int, default=40, help="timed training batches per system")
-    p.add_argument("--rounds", type=int, default=4, help="alternating A/B blocks the timed steps are split into")
     p.add_argument("--train-steps", type=int, default=0,
                    help="extra untimed updates of both systems (same batches) before decoding")
     p.add_argument("--lr-warmup", type=int, default=4000, help="inverse_sqrt warm-up updates")
     p.add_argument("--decode-sentences", type=int, default=300)
     p.add_argument("--decode-max-tokens", type=int, default=6000)
     p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu", help="cpu | cuda (timings synchronise the GPU)")
-    p.add_argument("--seed", type=int, default=1)
+    add_common_args(p, warmup=5, steps=40, rounds=4)
     args = p.parse_args(argv)
     if args.steps < 1 or args.decode_sentences < 1:
         p.error("--steps and --decode-sentences must be >= 1")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rss: dict[str, float] = {}
 
     # 1. data
     work = args.work or Path(f"runs/bench-data-{args.src}-{args.tgt}")
-    if not (work / "meta.json").is_file():
-        prepare({"train": args.data / "train", "valid": args.data / "val"}, [args.src, args.tgt], work,
-                vocab_size=args.vocab_size, joint=True)
-    meta = load_meta(work)
-    vocab = load_tokenizer(work, args.tgt, meta).vocab_size
-    train, valid = open_bitext(work, "train", args.src, args.tgt), open_bitext(work, "valid", args.src, args.tgt)
-    sampler = TokenBatchSampler(train.src.sizes, train.tgt.sizes, args.max_tokens, shuffle=True, seed=args.seed)
-    needed, order, epoch = args.warmup + args.steps + args.train_steps, [], 1
-    while len(order) < needed:
-        order += sampler.batches(epoch)
-        epoch += 1
-    batches = [train.batch(idx).to(device) for idx in order[:needed]]  # collated once: batching is not timed
+    vocab = prepared_data(args, work)
+    valid = open_bitext(work, "valid", args.src, args.tgt)
+    batches = training_batches(work, args, args.warmup + args.steps + args.train_steps, device)
     warm, timed = batches[:args.warmup], batches[args.warmup:args.warmup + args.steps]
     extra = batches[args.warmup + args.steps:]
     rss["after_data"] = peak_rss_mb()
@@ -205,21 +243,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rss["after_build"] = peak_rss_mb()
 
     # 3. training throughput: untimed warm-up, then alternating timed blocks over the same batches
-    for opt in systems.values():
-        for b in warm:
-            opt.step(b)
-    rss["after_warmup"] = peak_rss_mb()
-    seconds = dict.fromkeys(systems, 0.0)
-    losses: dict[str, list[float]] = {name: [] for name in systems}
+    seconds, losses = timed_training(systems, warm, timed, args.rounds, device)
     rounds = max(1, min(args.rounds, len(timed)))
-    blocks = [timed[i * len(timed) // rounds:(i + 1) * len(timed) // rounds] for i in range(rounds)]
-    for block in blocks:
-        for name, opt in systems.items():
-            for b in block:
-                sync()
-                start = time.perf_counter()
-                losses[name].append(opt.step(b))
-                seconds[name] += time.perf_counter() - start
     timed_tokens = sum(b.num_tgt_tokens for b in timed)
     rss["after_train"] = peak_rss_mb()
     for b in extra:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nmtflow.data.corpus import CorpusError
+from nmtflow.data.corpus import CorpusError, iter_tsv
 
 Embed = Callable[[list[str], str], np.ndarray]  # (sentences, language) → (N,D)
 
@@ -25,18 +25,10 @@ Embed = Callable[[list[str], str], np.ndarray]  # (sentences, language) → (N,D
 def read_tsv(path: str | Path, columns: int) -> list[list[str]]:
     """Non-empty lines of a UTF-8 TSV with exactly ``columns`` fields; errors name the file and line."""
     rows = []
-    with open(path, "rb") as fh:
-        for line_no, raw in enumerate(fh, 1):
-            try:
-                text = raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as exc:
-                raise CorpusError(path, f"invalid UTF-8 at byte {exc.start}", line=line_no) from None
-            if not text.strip():
-                continue
-            fields = text.split("\t")
-            if len(fields) != columns:
-                raise CorpusError(path, f"expected {columns} tab-separated fields, got {len(fields)}", line=line_no)
-            rows.append(fields)
+    for line_no, fields in iter_tsv(path):
+        if len(fields) != columns:
+            raise CorpusError(path, f"expected {columns} tab-separated fields, got {len(fields)}", line=line_no)
+        rows.append(fields)
     if not rows:
         raise CorpusError(path, "no examples")
     return rows

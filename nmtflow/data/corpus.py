@@ -91,6 +91,17 @@ def _iter_lines(path: Path, block_size: int = _READ_CHUNK) -> Iterator[str]:
                 raise error
 
 
+def iter_tsv(path: str | Path) -> Iterator[tuple[int, list[str]]]:
+    """(line number, tab-separated fields) of the non-empty lines of a UTF-8 file; errors name the file and line."""
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, 1):
+            try:
+                text = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as exc:
+                raise CorpusError(path, f"invalid UTF-8 at byte {exc.start}", line=line_no) from None
+            if text.strip():
+                yield line_no, text.split("\t")
+
 def iter_parallel(
     paths: Sequence[str | Path], *, allow_empty: bool = True
 ) -> Iterator[tuple[int, tuple[str, ...]]]:

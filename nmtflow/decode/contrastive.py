@@ -6,24 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from nmtflow.data.corpus import CorpusError
+from nmtflow.data.corpus import CorpusError, iter_tsv
 
 
 def read_candidates(path: str | Path) -> list[tuple[str, str, list[str]]]:
     rows = []
-    with open(path, "rb") as fh:
-        for line_no, raw in enumerate(fh, 1):
-            try:
-                text = raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as exc:
-                raise CorpusError(path, f"invalid UTF-8 at byte {exc.start}", line=line_no) from None
-            if not text.strip():
-                continue
-            fields = text.split("\t")
-            if len(fields) < 3:
-                raise CorpusError(path, f"expected SOURCE<TAB>CORRECT<TAB>INCORRECT…, got {len(fields)} field(s)",
-                                  line=line_no)
-            rows.append((fields[0], fields[1], fields[2:]))
+    for line_no, fields in iter_tsv(path):
+        if len(fields) < 3:
+            raise CorpusError(path, f"expected SOURCE<TAB>CORRECT<TAB>INCORRECT…, got {len(fields)} field(s)",
+                              line=line_no)
+        rows.append((fields[0], fields[1], fields[2:]))
     if not rows:
         raise CorpusError(path, "no candidates")
     return rows
