@@ -37,6 +37,7 @@ from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies, build_model, \
     count_parameters
 from nmtflow.nn.layers import SinusoidalPositions
+from nmtflow.runtime import keep_freed_memory
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
@@ -105,6 +106,7 @@ class Optimiser:
 
     def __init__(self, model: EncoderDecoder, tc: TrainConfig) -> None:
         self.model, self.tc = model, tc
+        keep_freed_memory()  # as Trainer does (process-wide)
         self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
 

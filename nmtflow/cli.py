@@ -567,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     from nmtflow.train.checkpoint import CheckpointError
 
     expected: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, ValueError, OSError, KeyError)
+    from nmtflow.runtime import keep_freed_memory
+
+    keep_freed_memory()
     try:
         for module in args.plugin:
             sys.path.insert(0, os.getcwd())

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 
+from nmtflow.runtime import keep_freed_memory
+
 TRAINED, FINISHED = "trained.json", "finished.json"
 EXIT_INTERRUPTED = 3
 log = logging.getLogger("nmtflow.compare")
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    keep_freed_memory()
     sys.path.insert(0, os.getcwd())
     for module in job.get("plugins", []):
         importlib.import_module(module)

@@ -64,13 +64,46 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(b, t, h * dh)
 
 
+ROWS = ".rows"  # state entry: the row order a self-attention cache is still to be read in
+CACHE_SUFFIXES = (".k", ".v")
+
+
+def extend_cache(cache: Tensor, new: Tensor, rows: Tensor | None = None) -> Tensor:
+    """``cat([cache[rows], new], dim=2)`` for caches (B,H,S,Dh), copying the cache once (not gather + cat)."""
+    s = cache.size(2)
+    out = new.new_empty(new.size(0), new.size(1), s + new.size(2), new.size(3))
+    if rows is None:
+        out[:, :, :s].copy_(cache)
+    else:
+        torch.index_select(cache, 0, rows, out=out[:, :, :s])
+    out[:, :, s:].copy_(new)
+    return out
+
+
+def defer_cache_reorder(state: dict[str, Tensor], rows: Tensor) -> set[str]:
+    """Record the beam order ``rows`` for every self-attention cache in ``state`` instead of gathering it now.
+
+    Writes ``name + ".rows"`` (composed with an order already pending: ``pending[rows]``) and returns the cache
+    keys left as they are; every other entry is for the caller to reorder.
+    """
+    deferred: set[str] = set()
+    for key in [k for k in state if k.endswith(".k") and k[:-2] + ".v" in state]:
+        name = key[:-2]
+        pending = state.get(name + ROWS)
+        state[name + ROWS] = rows if pending is None else pending.index_select(0, rows)
+        deferred.update((key, name + ".v", name + ROWS))
+    return deferred
+
+
 @register_attention("standard", AttentionConfig)
 class MultiHeadAttention(nn.Module):
     """softmax(Q Kᵀ / √Dh) V over H heads, through ``scaled_dot_product_attention``.
 
     Projections have no bias (tensor2tensor convention, SPEC §1). ``self_attention`` layers cache their
     keys/values per decoding step in ``state[name + ".k"/".v"]`` (B,H,S,Dh); cross-attention caches the
-    projected encoder keys/values once (``.static_k/.static_v``).
+    projected encoder keys/values once (``.static_k/.static_v``). A beam search may leave the cache in its
+    old row order and put the new order in ``state[name + ".rows"]`` (:func:`defer_cache_reorder`): the next
+    step then gathers and extends the cache in one copy (:func:`extend_cache`).
     """
 
     def __init__(self, d_model: int, heads: int, *, dropout: float = 0.0, self_attention: bool = True,
@@ -129,10 +162,11 @@ class MultiHeadAttention(nn.Module):
         if key_padding_mask is not None:
             mask = ~key_padding_mask[:, None, None, :]  # (B,1,1,S) True = attend
         if causal and state is not None and k.size(2) != q.size(2):
-            # new queries after a cached prefix: position i sees keys up to prefix + i
+            # new queries after a cached prefix: position i sees keys up to prefix + i; one new query sees all
             t, s = q.size(2), k.size(2)
-            allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
-            mask = allowed if mask is None else mask & allowed
+            if t > 1:
+                allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+                mask = allowed if mask is None else mask & allowed
             causal = False
         out, weights = self.attend(q, k, v, mask, causal, ctx)
         return self.out_proj(merge_heads(out)), weights
@@ -148,8 +182,9 @@ class MultiHeadAttention(nn.Module):
             return state[key], state[self.name + ".static_v"]
         k, v = self.project_kv(source, ctx)
         if self.name + ".k" in state:
-            k = torch.cat([state[self.name + ".k"], k], dim=2)
-            v = torch.cat([state[self.name + ".v"], v], dim=2)
+            rows = state.pop(self.name + ROWS, None)
+            k = extend_cache(state[self.name + ".k"], k, rows)
+            v = extend_cache(state[self.name + ".v"], v, rows)
         state[self.name + ".k"], state[self.name + ".v"] = k, v
         return k, v
 

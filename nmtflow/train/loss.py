@@ -1,23 +1,60 @@
-"""Label-smoothed cross-entropy (Szegedy et al. 2016): (1-ε)·NLL + ε·mean_v(−log p_v), PAD ignored."""
+"""Label-smoothed cross-entropy (Szegedy et al. 2016): (1-ε)·NLL + ε·mean_v(−log p_v), PAD ignored.
+
+With ``lse_t = log Σ_v exp(z_tv)`` the two terms need no (N,V) log-probability table::
+
+    nll_t    = lse_t − z_{t,y_t}          smooth_t = lse_t − (1/V) Σ_v z_tv
+    ∂loss/∂z_tv = g_t · (softmax(z_t)_v − (1−ε)·[v = y_t] − ε/V)
+
+so :class:`SmoothedCrossEntropy` computes ``softmax(z)`` once forward (``lse_t = max_v z_tv − log max_v p_tv``,
+exact since the largest probability is ``1/Σ_v exp(z_tv − max z_t)``) and builds the gradient from it with
+two in-place passes backward, where ``log_softmax`` + ``gather`` + ``mean`` autograd builds and zero-fills
+several (N,V) tensors (vocabulary-sized outputs dominate a small model's loss cost).
+"""
 from __future__ import annotations
 
-import torch.nn.functional as F
+from typing import Any
+
+import torch
 from torch import Tensor
 
 from nmtflow.data.vocab import PAD
 
 
+class SmoothedCrossEntropy(torch.autograd.Function):
+    """logits (N,V), target (N,) → (Σ_t keep_t·((1−ε)·nll_t + ε·smooth_t), Σ_t keep_t·nll_t); keep = target ≠ PAD."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+        z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        keep = target.ne(PAD).to(z.dtype)
+        probs = torch.softmax(z, dim=-1)  # (N,V), saved for backward
+        lse = z.amax(-1) - probs.amax(-1).log()  # (N,): log Σ_v exp(z_v)
+        nll = ((lse - z.gather(1, target[:, None]).squeeze(1)) * keep).sum()
+        loss = (1.0 - epsilon) * nll
+        if epsilon:
+            loss = loss + epsilon * ((lse - z.mean(-1)) * keep).sum()
+        ctx.save_for_backward(probs, target, keep)
+        ctx.epsilon, ctx.logits_dtype = epsilon, logits.dtype
+        ctx.mark_non_differentiable(nll)
+        return loss, nll
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor, _grad_nll: Tensor) -> tuple[Tensor, None, None]:
+        probs, target, keep = ctx.saved_tensors
+        eps = ctx.epsilon
+        coef = (grad_loss * keep)[:, None]  # (N,1): g_t, 0 at PAD
+        grad = probs.mul(coef)  # g_t · softmax(z_t)
+        if eps:
+            grad.sub_(coef * (eps / probs.size(-1)))
+        grad.scatter_add_(1, target[:, None], coef * -(1.0 - eps))
+        return grad.to(ctx.logits_dtype), None, None
+
+
 def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
     """logits (B,T,V), target (B,T) → (smoothed loss sum, NLL sum) over non-PAD positions.
 
-    One log-softmax serves both terms: ``nll_t = −log p(y_t)``, ``smooth_t = −(1/V) Σ_v log p(v)``,
-    ``loss = Σ_t (1−ε)·nll_t + ε·smooth_t`` (the same as ``cross_entropy(label_smoothing=ε)``).
+    ``loss = Σ_t (1−ε)·nll_t + ε·smooth_t`` with ``nll_t = −log p(y_t)``, ``smooth_t = −(1/V) Σ_v log p(v)``
+    (the same as ``cross_entropy(label_smoothing=ε, reduction="sum")``); the NLL sum comes back detached.
     """
-    lprobs = F.log_softmax(logits.reshape(-1, logits.size(-1)).float(), dim=-1)  # (N,V)
-    flat = target.reshape(-1)
-    keep = flat.ne(PAD)
-    nll = -(lprobs.gather(1, flat[:, None]).squeeze(1) * keep).sum()
-    if epsilon == 0.0:
-        return nll, nll.detach()
-    smooth = -(lprobs.mean(-1) * keep).sum()
-    return (1.0 - epsilon) * nll + epsilon * smooth, nll.detach()
+    loss, nll = SmoothedCrossEntropy.apply(logits.reshape(-1, logits.size(-1)), target.reshape(-1), float(epsilon))
+    return loss, nll

@@ -33,6 +33,7 @@ from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
 from nmtflow.train import distributed
 from nmtflow.train.checkpoint import FORMAT, load_checkpoint, periodic_checkpoints, save_atomic
+from nmtflow.runtime import keep_freed_memory
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
@@ -80,6 +81,7 @@ class Trainer:
     def __init__(self, config: Config, *, resume: bool = True) -> None:
         self.config = config
         tc = config.train
+        keep_freed_memory()
         if tc.threads:
             torch.set_num_threads(tc.threads)
         self.dist = distributed.env_info()

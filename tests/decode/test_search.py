@@ -49,3 +49,41 @@ def test_best_hypothesis_score_is_its_model_logprob() -> None:
     tgt_out = torch.tensor([hyp.tokens + [EOS]])
     lp = sequence_logprobs(model, src[:1], tgt_in, tgt_out)
     assert abs(float(lp) - hyp.logprob) < 1e-4
+
+
+def test_top_candidates_equals_topk() -> None:
+    from nmtflow.decode.search import top_candidates
+
+    g = torch.Generator().manual_seed(0)
+    for n, width, count in [(3, 5 * 8000, 10), (4, 40000, 2), (2, 997, 10), (1, 64 * 40, 10)]:
+        scores = torch.randn(n, width, generator=g)
+        scores[0, : width // 2] = float("-inf")  # long runs of impossible candidates
+        values, indices = top_candidates(scores, count)
+        ref_values, ref_indices = scores.topk(count, dim=1)
+        torch.testing.assert_close(values, ref_values)
+        assert torch.equal(indices, ref_indices)
+
+
+def test_extend_cache_gathers_then_appends() -> None:
+    from nmtflow.nn.attention import extend_cache
+
+    cache, new = torch.randn(4, 2, 3, 5), torch.randn(4, 2, 1, 5)
+    rows = torch.tensor([2, 2, 0, 3])
+    assert torch.equal(extend_cache(cache, new, rows), torch.cat([cache[rows], new], dim=2))
+    assert torch.equal(extend_cache(cache, new), torch.cat([cache, new], dim=2))
+
+
+def test_deferred_reorders_compose_with_sentence_pruning() -> None:
+    """Two reorders before the cache is next extended read the cache as if gathered twice."""
+    from nmtflow.decode.search import _reorder_state
+    from nmtflow.nn.attention import extend_cache
+
+    cache = torch.randn(6, 2, 3, 4)
+    state = {"dec.attn.k": cache, "dec.attn.v": cache + 1, "dec.static_k": torch.randn(6, 2, 5, 4)}
+    first, second = torch.tensor([1, 1, 0, 5, 4, 3]), torch.tensor([2, 3, 4])
+    state = _reorder_state(_reorder_state(state, first, False), second, True)
+    assert state["dec.attn.k"] is cache  # nothing copied yet
+    new = torch.randn(3, 2, 1, 4)
+    got = extend_cache(state["dec.attn.k"], new, state["dec.attn.rows"])
+    assert torch.equal(got, torch.cat([cache[first][second], new], dim=2))
+    assert state["dec.static_k"].size(0) == 3

@@ -1,0 +1,44 @@
+"""Process-wide settings that make CPU training and decoding fast."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
+M_MMAP_MAX = -4
+TRIM_THRESHOLD_BYTES = 1 << 30
+OPT_OUT = "NMTFLOW_SYSTEM_MALLOC"  # set to 1 to leave malloc as it is
+
+_applied: bool | None = None
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep freed memory for reuse instead of unmapping it; True if in effect.
+
+    PyTorch has no caching allocator on the CPU: every activation, gradient and (tokens × vocabulary) logits
+    tensor of a step is a fresh ``malloc``, which glibc serves from a new ``mmap`` when it is large and unmaps
+    on ``free``, so each step page-faults its whole working set again (on a 2-core machine a third of the
+    time of a small Transformer's step; ``benchmarks/README.md``). With mmap off (``M_MMAP_MAX = 0``) and the
+    trim threshold at 1 GiB the pages stay mapped and are reused; the price is that the process's resident
+    memory stays at its high-water mark. Linux/glibc only, once per process; ``NMTFLOW_SYSTEM_MALLOC=1``
+    opts out.
+    """
+    global _applied
+    if _applied is not None:
+        return _applied
+    _applied = False
+    if not sys.platform.startswith("linux") or os.environ.get(OPT_OUT, "") not in ("", "0"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+        return False
+    _applied = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    log.debug("malloc keeps freed memory: %s", _applied)
+    return _applied
