@@ -69,7 +69,13 @@ CACHE_SUFFIXES = (".k", ".v")
 
 
 def extend_cache(cache: Tensor, new: Tensor, rows: Tensor | None = None) -> Tensor:
-    """``cat([cache[rows], new], dim=2)`` for caches (B,H,S,Dh), copying the cache once (not gather + cat)."""
+    """``cat([cache[rows], new], dim=2)`` for caches (B,H,S,Dh), copying the cache once (not gather + cat).
+
+    The single copy (``index_select`` into a slice of the output) is taken on the CPU, where this is
+    measured; other devices gather and concatenate.
+    """
+    if cache.device.type != "cpu":
+        return torch.cat([cache if rows is None else cache.index_select(0, rows), new], dim=2)
     s = cache.size(2)
     out = new.new_empty(new.size(0), new.size(1), s + new.size(2), new.size(3))
     if rows is None:
