@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from nmtflow.analysis import plots
-from nmtflow.analysis.report import write_json
+from nmtflow.analysis.report import write_report
 from nmtflow.analysis.states import default_labels
 from nmtflow.data.batching import collate
 from nmtflow.data.corpus import CorpusError
@@ -252,12 +252,7 @@ def run_length_bleu(checkpoints: Sequence[str | Path], src: str | Path, ref: str
         result["models"][m.label] = {"checkpoint": str(m.path), "direction": m.direction,
                                      "beam_size": 1 if d.greedy else d.beam_size,
                                      **bleu_by_bucket(hypotheses, references, lengths, spec)}
-    out = Path(out_dir)
-    files = [out / "length_bleu.json", out / "length_bleu.png"]
-    write_json(result, files[0])
-    plots.plot_length_bleu(result, files[1])
-    result["files"] = [str(f) for f in files]
-    return result
+    return write_report(result, out_dir, "length_bleu", plots.plot_length_bleu)
 
 
 def length_table(result: dict[str, Any]) -> str:
@@ -312,12 +307,7 @@ def run_bridge_heat_maps(checkpoints: Sequence[str | Path], sentence: str, out_d
         result["models"][m.label] = {"checkpoint": str(m.path), "lang": Direction.parse(m.direction).src,
                                      "tokens": tokens, "attention": attention.tolist(),
                                      "entropy": head_entropy(attention[None])[0].tolist()}
-    out = Path(out_dir)
-    files = [out / "bridge_attention.json", out / "bridge_attention.png"]
-    write_json(result, files[0])
-    plots.plot_bridge_attention(result, files[1])
-    result["files"] = [str(f) for f in files]
-    return result
+    return write_report(result, out_dir, "bridge_attention", plots.plot_bridge_attention)
 
 
 # ---- head entropy -------------------------------------------------------------------------------------------
@@ -404,12 +394,7 @@ def run_head_entropy(checkpoints: Sequence[str | Path], src: str | Path, out_dir
         stats = entropy_stats(m.translator, sentences, max_tokens)
         result["models"][m.label] = {"checkpoint": str(m.path), "lang": Direction.parse(m.direction).src,
                                      **stats.result()}
-    out = Path(out_dir)
-    files = [out / "bridge_entropy.json", out / "bridge_entropy.png"]
-    write_json(result, files[0])
-    plots.plot_head_entropy(result, files[1])
-    result["files"] = [str(f) for f in files]
-    return result
+    return write_report(result, out_dir, "bridge_entropy", plots.plot_head_entropy)
 
 
 def entropy_table(result: dict[str, Any]) -> str:

@@ -1,10 +1,10 @@
-"""Writing analysis results: a JSON file and a plain-text table of per-layer values."""
+"""Writing analysis results: JSON files, their plots, and plain-text tables of per-layer values."""
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> None:
@@ -12,6 +12,16 @@ def write_json(result: dict[str, Any], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_finite(result), indent=2) + "\n", encoding="utf-8")
+
+
+def write_report(result: dict[str, Any], out_dir: str | Path, stem: str,
+                 plot: Callable[[dict[str, Any], Path], None]) -> dict[str, Any]:
+    """``OUT/STEM.json`` and the plot ``OUT/STEM.png`` of ``result``; their paths go into ``result["files"]``."""
+    files = [Path(out_dir) / f"{stem}.json", Path(out_dir) / f"{stem}.png"]
+    write_json(result, files[0])
+    plot(result, files[1])
+    result["files"] = [str(f) for f in files]
+    return result
 
 
 def _finite(obj: Any) -> Any:

@@ -46,9 +46,10 @@ def _reorder_state(state: State, rows: Tensor, sentences_changed: bool) -> State
     next step extends them (:func:`nmtflow.nn.attention.defer_cache_reorder`), one copy instead of two.
     """
     state = dict(state)
-    deferred = defer_cache_reorder(state, rows)
-    return {k: (v if k in deferred or not (sentences_changed or STATIC_MARK not in k) else v.index_select(0, rows))
-            for k, v in state.items()}
+    unchanged = defer_cache_reorder(state, rows)
+    if not sentences_changed:
+        unchanged |= {k for k in state if STATIC_MARK in k}
+    return {k: v if k in unchanged else v.index_select(0, rows) for k, v in state.items()}
 
 
 @functools.lru_cache(maxsize=64)

@@ -65,7 +65,6 @@ def merge_heads(x: Tensor) -> Tensor:
 
 
 ROWS = ".rows"  # state entry: the row order a self-attention cache is still to be read in
-CACHE_SUFFIXES = (".k", ".v")
 
 
 def extend_cache(cache: Tensor, new: Tensor, rows: Tensor | None = None) -> Tensor:

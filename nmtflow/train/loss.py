@@ -56,5 +56,4 @@ def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float) -> tuple[
     ``loss = Σ_t (1−ε)·nll_t + ε·smooth_t`` with ``nll_t = −log p(y_t)``, ``smooth_t = −(1/V) Σ_v log p(v)``
     (the same as ``cross_entropy(label_smoothing=ε, reduction="sum")``); the NLL sum comes back detached.
     """
-    loss, nll = SmoothedCrossEntropy.apply(logits.reshape(-1, logits.size(-1)), target.reshape(-1), float(epsilon))
-    return loss, nll
+    return SmoothedCrossEntropy.apply(logits.reshape(-1, logits.size(-1)), target.reshape(-1), float(epsilon))

@@ -31,9 +31,9 @@ from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
+from nmtflow.runtime import keep_freed_memory
 from nmtflow.train import distributed
 from nmtflow.train.checkpoint import FORMAT, load_checkpoint, periodic_checkpoints, save_atomic
-from nmtflow.runtime import keep_freed_memory
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
