@@ -75,13 +75,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 2. models (same seed before each), one optimiser configuration for all
     systems: dict[str, Optimiser] = {}
     for name, model in model_sections(args).items():
-        cfg = load_config(data={"model": model, "train": {"seed": args.seed, "label_smoothing": 0.1,
-                                                          "clip_norm": 1.0, "warmup_updates": 4000}})
+        cfg = load_config(data={"model": model, "train": {"seed": args.seed, "precision": args.precision,
+                                                          "label_smoothing": 0.1, "clip_norm": 1.0,
+                                                          "warmup_updates": 4000}})
         torch.manual_seed(args.seed)
         systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device), cfg.train)
 
     # 3. untimed warm-up, then alternating timed blocks over the same batches
-    seconds, losses = timed_training(systems, warm, timed, args.rounds, device)
+    seconds, losses, _ = timed_training(systems, warm, timed, args.rounds, device)
     rounds = max(1, min(args.rounds, len(timed)))
     tokens = sum(b.num_tgt_tokens for b in timed)
 
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "densenmt_config": args.densenmt_config.name, "convs2s_config": args.convs2s_config.name,
                    "transformer_layers": args.transformer_layers, "tiny": args.tiny, "max_tokens": args.max_tokens,
+                   "precision": args.precision,
                    "warmup_batches": args.warmup, "timed_batches": len(timed), "rounds": rounds,
                    "timed_tgt_tokens": tokens, "seed": args.seed},
         "peak_rss_mb": round(peak_rss_mb(), 1),

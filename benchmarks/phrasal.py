@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg = load_config(data={
             "model": {"name": "transformer", "preset": args.preset, "encoder_layers": args.layers,
                       "decoder_layers": args.layers, **slots(ngrams)},
-            "train": {"seed": args.seed, "label_smoothing": 0.1, "clip_norm": 1.0}})
+            "train": {"seed": args.seed, "precision": args.precision, "label_smoothing": 0.1, "clip_norm": 1.0}})
         torch.manual_seed(args.seed)
         systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab)).to(device), cfg.train)
     rss["after_build"] = peak_rss_mb()
@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "device": str(device), "python": platform.python_version(), "arch": platform.machine()},
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "preset": args.preset, "layers": args.layers, "max_tokens": args.max_tokens,
+                   "precision": args.precision,
                    "warmup_batches": args.warmup, "timed_batches": len(timed), "rounds": rounds,
                    "timed_tgt_tokens": timed_tokens, "decode_sentences": len(sources), "beam": args.beam,
                    "seed": args.seed},

@@ -7,9 +7,12 @@ Usage (see benchmarks/README.md)::
 The three systems differ only in their attention slots: baseline; ``{type: shortcut}`` in every encoder and
 decoder self-attention sub-layer; the same with ``feature_fusion: true``. They run in one process on the same
 collated batches with the same training step as ``throughput.py`` (its ``Optimiser``: label-smoothed loss,
-backward, clipping, Adam + inverse-sqrt step), in alternating blocks (A, B, C, A, B, C, ...) so that load from
-other processes hits all three alike. The paper's cost (Emelin et al. 2019, Table 5, words/s on GPUs): shortcuts
--11.0%, feature-fusion -20.5% relative to transformer-BASE; the target is to lose less than that.
+backward, clipping, Adam + inverse-sqrt step), interleaved batch by batch (A, B, C on batch 1, then on batch 2,
+...) so that load from other processes hits all three alike. Two ratios are reported: of total times, and the
+median over batches of the per-batch ratio (robust to a burst of load during a few steps). ``--profile-steps N``
+adds each system's share of time in matrix products and its matmul FLOPs. The paper's cost (Emelin et al. 2019,
+Table 5, words/s on GPUs): shortcuts -11.0%, feature-fusion -20.5% relative to transformer-BASE; the target is
+to lose less than that.
 """
 from __future__ import annotations
 
@@ -24,7 +27,9 @@ import torch
 
 from nmtflow.config import load_config
 from nmtflow.models.base import Vocabularies, build_model, count_parameters
-from throughput import Optimiser, add_common_args, peak_rss_mb, prepared_data, timed_training, training_batches  # the sibling benchmark's training step (same batches, same step)
+from throughput import (  # the sibling benchmark's training step (same batches, same step)
+    Optimiser, add_common_args, matmul_profile, median_step_ratio, peak_rss_mb, prepared_data, timed_training,
+    training_batches)
 
 PAPER_WORDS_PER_S = {"baseline": 29_698, "shortcuts": 26_423, "feature_fusion": 23_601}  # Table 5, base
 SC = {"type": "shortcut"}
@@ -43,10 +48,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/shortcuts.json"))
     p.add_argument("--preset", default="small", choices=["small", "base", "big"])
     p.add_argument("--layers", type=int, default=6, help="encoder and decoder layers (shortcuts go into all)")
-    add_common_args(p, warmup=3, steps=30, rounds=3)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="then profile this many steps per system (CPU): time in matrix products")
+    add_common_args(p, warmup=3, steps=30, rounds=30)  # rounds = steps: interleaved batch by batch
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.profile_steps and args.device != "cpu":
+        p.error("--profile-steps profiles CPU operators; use it with --device cpu")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
@@ -62,12 +71,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg = load_config(data={
             "model": {"name": "transformer", "preset": args.preset, "encoder_layers": args.layers,
                       "decoder_layers": args.layers, **slots},
-            "train": {"seed": args.seed, "label_smoothing": 0.1, "clip_norm": 1.0}})
+            "train": {"seed": args.seed, "precision": args.precision, "label_smoothing": 0.1, "clip_norm": 1.0}})
         torch.manual_seed(args.seed)
         systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device), cfg.train)
 
     # 3. untimed warm-up, then alternating timed blocks over the same batches
-    seconds, all_losses = timed_training(systems, warm, timed, args.rounds, device)
+    seconds, all_losses, steps = timed_training(systems, warm, timed, args.rounds, device)
     losses = {name: values[-1] for name, values in all_losses.items()}
     rounds = max(1, min(args.rounds, len(timed)))
     tokens = sum(b.num_tgt_tokens for b in timed)
@@ -79,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "device": str(device), "python": platform.python_version(), "arch": platform.machine()},
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "preset": args.preset, "layers": args.layers, "max_tokens": args.max_tokens,
+                   "precision": args.precision,
                    "warmup_batches": len(warm), "timed_batches": len(timed), "rounds": rounds,
                    "timed_tgt_tokens": tokens, "seed": args.seed},
         "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -89,15 +99,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result[name] = {"parameters": count_parameters(opt.model), "train_tgt_tokens_per_s": speed,
                         "train_seconds": seconds[name], "train_loss_last": losses[name],
                         "speed_vs_baseline": speed / base_speed, "slowdown_pct": 100 * (1 - speed / base_speed),
-                        "paper_slowdown_pct": 100 * (1 - paper)}
+                        "median_step_speed_vs_baseline": (median := median_step_ratio(steps, name, "baseline")),
+                        "median_step_slowdown_pct": 100 * (1 - median), "paper_slowdown_pct": 100 * (1 - paper)}
+    if args.profile_steps:  # after the timing: how much of the slowdown the extra matrix products explain
+        profiled = {name: matmul_profile(opt, timed[:args.profile_steps]) for name, opt in systems.items()}
+        base = profiled["baseline"]
+        for name, prof in profiled.items():
+            # if the extra matmul FLOPs ran at the baseline's matmul speed and nothing else were added
+            extra = base["matmul_share"] * (prof["matmul_flops"] / base["matmul_flops"] - 1)
+            result[name]["profile"] = {**prof, "matmul_flops_vs_baseline": prof["matmul_flops"] / base["matmul_flops"],
+                                       "matmul_only_slowdown_pct": 100 * extra / (1 + extra)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
-    print(f"{'':16}{'parameters':>14}{'tgt tokens/s':>14}{'vs baseline':>13}{'slowdown':>10}{'paper':>8}")
+    print(f"{'':16}{'parameters':>14}{'tgt tokens/s':>14}{'vs baseline':>13}{'slowdown':>10}"
+          f"{'median step':>13}{'paper':>8}")
     for name in systems:
         r = result[name]
         print(f"{name:16}{r['parameters']:>14,}{r['train_tgt_tokens_per_s']:>14,.1f}{r['speed_vs_baseline']:>13.3f}"
-              f"{r['slowdown_pct']:>9.1f}%{r['paper_slowdown_pct']:>7.1f}%")
+              f"{r['slowdown_pct']:>9.1f}%{r['median_step_slowdown_pct']:>12.1f}%{r['paper_slowdown_pct']:>7.1f}%")
+    for name in systems:
+        if "profile" in result[name]:
+            r = result[name]["profile"]
+            print(f"{name}: matmuls {100 * r['matmul_share']:.1f}% of the profiled step, "
+                  f"matmul FLOPs x{r['matmul_flops_vs_baseline']:.3f} of the baseline's: "
+                  f"a {r['matmul_only_slowdown_pct']:.1f}% slowdown at the baseline's matmul speed")
     print(f"timed target tokens: {tokens:,}; written to {args.out}")
     return result
 

@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import resource
+import statistics
 import sys
 import time
 import warnings
@@ -37,7 +38,7 @@ from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies, build_model, \
     count_parameters
 from nmtflow.nn.layers import SinusoidalPositions
-from nmtflow.runtime import keep_freed_memory
+from nmtflow.runtime import autocast, keep_freed_memory, use_precision
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
@@ -106,7 +107,9 @@ class Optimiser:
 
     def __init__(self, model: EncoderDecoder, tc: TrainConfig) -> None:
         self.model, self.tc = model, tc
+        self.device = next(model.parameters()).device
         keep_freed_memory()  # as Trainer does (process-wide)
+        use_precision(tc.precision)
         self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], tc)
         self.scheduler = build_scheduler(self.optimizer, tc)
 
@@ -115,12 +118,13 @@ class Optimiser:
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
         tokens = b.num_tgt_tokens
-        enc = model.encode(b.src)
-        loss, _ = label_smoothed_nll(model.decode(b.tgt_in, enc), b.tgt_out, tc.label_smoothing)
-        total = loss / tokens
-        aux = model.auxiliary_loss(enc)
-        if aux is not None:
-            total = total + aux
+        with autocast(tc.precision, self.device):
+            enc = model.encode(b.src)
+            loss, _ = label_smoothed_nll(model.decode(b.tgt_in, enc), b.tgt_out, tc.label_smoothing)
+            total = loss / tokens
+            aux = model.auxiliary_loss(enc)
+            if aux is not None:
+                total = total + aux
         total.backward()
         params = [p for p in model.parameters() if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, tc.clip_norm if tc.clip_norm > 0 else float("inf"))
@@ -154,6 +158,8 @@ def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, roun
     p.add_argument("--rounds", type=int, default=rounds, help="alternating blocks the timed steps are split into")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu | cuda (timings synchronise the GPU)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"],
+                   help="train.precision of every system: tf32 matmuls (CUDA) or bf16 autocast")
     p.add_argument("--seed", type=int, default=1)
 
 
@@ -179,14 +185,17 @@ def training_batches(work: Path, args: argparse.Namespace, count: int, device: t
 
 
 def timed_training(systems: dict[str, Optimiser], warm: list[Batch], timed: list[Batch], rounds: int,
-                   device: torch.device) -> tuple[dict[str, float], dict[str, list[float]]]:
-    """Untimed warm-up, then alternating timed blocks over the same batches → (seconds, losses) per system."""
+                   device: torch.device) -> tuple[dict[str, float], dict[str, list[float]], dict[str, list[float]]]:
+    """Untimed warm-up, then alternating timed blocks over the same batches → (seconds, losses, step seconds).
+
+    Step seconds are per system in the order of ``timed``: entry i of every system is the same batch.
+    """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for opt in systems.values():
         for b in warm:
             opt.step(b)
-    seconds = dict.fromkeys(systems, 0.0)
     losses: dict[str, list[float]] = {name: [] for name in systems}
+    steps: dict[str, list[float]] = {name: [] for name in systems}
     rounds = max(1, min(rounds, len(timed)))
     for i in range(rounds):
         block = timed[i * len(timed) // rounds:(i + 1) * len(timed) // rounds]
@@ -195,8 +204,44 @@ def timed_training(systems: dict[str, Optimiser], warm: list[Batch], timed: list
                 sync()
                 start = time.perf_counter()
                 losses[name].append(opt.step(b))  # .item() inside: the step has finished
-                seconds[name] += time.perf_counter() - start
-    return seconds, losses
+                steps[name].append(time.perf_counter() - start)
+    return {name: sum(t) for name, t in steps.items()}, losses, steps
+
+
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def matmul_profile(opt: Optimiser, batches: list[Batch]) -> dict[str, float]:
+    """Steps of ``opt`` over ``batches`` on the CPU, twice: profiled (seconds in matrix products and in all
+    operators, and their ratio) and under a FLOP counter (exact matrix-product FLOPs).
+
+    Profiled self times carry a little overhead per operator, so the share is what to read, not the seconds;
+    attention kernels count as non-matmul work.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for b in batches:
+            opt.step(b)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / 1e6
+    matmul = sum(e.self_cpu_time_total for e in events if e.key.removeprefix("aten::") in MATMUL_OPS) / 1e6
+    with FlopCounterMode(display=False) as counter:
+        for b in batches:
+            opt.step(b)
+    flops = sum(n for op, n in counter.get_flop_counts()["Global"].items() if str(op).split(".")[1] in MATMUL_OPS)
+    return {"profiled_seconds": total, "matmul_seconds": matmul, "matmul_share": matmul / total,
+            "matmul_flops": flops}
+
+
+def median_step_ratio(steps: dict[str, list[float]], system: str, reference: str) -> float:
+    """Median over the timed batches of (reference step time / system step time): speed relative to the reference.
+
+    Each ratio compares the two systems on the same batch, moments apart, so load from other processes that
+    hits a few steps moves the median little (the ratio of total times takes it in full).
+    """
+    return statistics.median(r / s for r, s in zip(steps[reference], steps[system]))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -234,6 +279,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "decoder_layers": args.layers, "dropout": 0.1, "tie_embeddings": True},
         "data": {"path": str(work), "src_lang": args.src, "tgt_lang": args.tgt, "max_tokens": args.max_tokens},
         "train": {"seed": args.seed, "threads": args.threads, "label_smoothing": 0.1, "clip_norm": 1.0,
+                  "precision": args.precision,
                   "warmup_updates": args.lr_warmup}})
     torch.manual_seed(args.seed)
     sys_a = build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device)
@@ -245,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rss["after_build"] = peak_rss_mb()
 
     # 3. training throughput: untimed warm-up, then alternating timed blocks over the same batches
-    seconds, losses = timed_training(systems, warm, timed, args.rounds, device)
+    seconds, losses, _ = timed_training(systems, warm, timed, args.rounds, device)
     rounds = max(1, min(args.rounds, len(timed)))
     timed_tokens = sum(b.num_tgt_tokens for b in timed)
     rss["after_train"] = peak_rss_mb()
@@ -277,6 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "layers": args.layers, "d_model": ref_cfg.d_model, "heads": ref_cfg.heads,
                    "ffn_dim": ref_cfg.ffn_dim, "dropout": ref_cfg.dropout, "max_tokens": args.max_tokens,
+                   "precision": args.precision,
                    "warmup_batches": args.warmup, "timed_batches": len(timed), "rounds": rounds,
                    "timed_tgt_tokens": timed_tokens, "train_steps_before_decode": args.train_steps,
                    "label_smoothing": cfg.train.label_smoothing, "clip_norm": cfg.train.clip_norm,

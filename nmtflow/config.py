@@ -22,6 +22,8 @@ from typing import Any, Union
 
 import yaml
 
+from nmtflow.runtime import PRECISIONS
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the file and the offending key."""
@@ -97,12 +99,12 @@ class TrainConfig:
     early_stop_metric: str = "bleu"  # bleu | loss
     log_every: int = 50
     progress: bool = True  # tqdm bar
-    precision: str = "fp32"  # fp32 | bf16 (autocast, CPU and GPU) | fp16 (autocast + GradScaler, GPU only)
+    precision: str = "fp32"  # fp32 | tf32 (fp32, TF32 matmuls, GPU only) | bf16 (autocast) | fp16 (+ GradScaler, GPU only)
     max_bad_updates: int = 5  # stop after this many consecutive updates with a non-finite loss (each skipped)
 
     def validate(self, where: str) -> None:
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ConfigError(f"{where}.precision: unknown precision {self.precision!r} (known: fp32, bf16, fp16)")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"{where}.precision: unknown precision {self.precision!r} (known: {', '.join(PRECISIONS)})")
         if self.max_bad_updates < 1:
             raise ConfigError(f"{where}.max_bad_updates: must be >= 1, got {self.max_bad_updates}")
 

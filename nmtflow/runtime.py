@@ -1,4 +1,4 @@
-"""Process-wide settings that make CPU training and decoding fast."""
+"""Process-wide settings that make training and decoding fast: CPU memory reuse, numeric precision."""
 from __future__ import annotations
 
 import ctypes
@@ -6,6 +6,9 @@ import ctypes.util
 import logging
 import os
 import sys
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -42,3 +45,25 @@ def keep_freed_memory() -> bool:
     _applied = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     log.debug("malloc keeps freed memory: %s", _applied)
     return _applied
+
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+CUDA_ONLY_PRECISIONS = ("tf32", "fp16")
+
+
+def use_precision(precision: str) -> None:
+    """Process-wide part of ``train.precision``: ``tf32`` lets CUDA float32 matmuls run on TF32 tensor cores.
+
+    Weights, activations and gradients stay float32; only the matmul inner products round their inputs to
+    TF32's 10-bit mantissa (Ampere and later; several times the float32 matmul speed). Other precisions
+    leave the global setting as it is.
+    """
+    if precision == "tf32":
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+
+
+def autocast(precision: str, device: torch.device) -> AbstractContextManager:
+    """The per-step mixed-precision context of ``train.precision``: autocast for bf16/fp16, else a no-op."""
+    if precision in ("bf16", "fp16"):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return nullcontext()

@@ -1,4 +1,4 @@
-"""GPU checks: every architecture on CUDA (incremental = full, CUDA = CPU), and training in fp32 / bf16 / fp16.
+"""GPU checks: every architecture on CUDA (incremental = full, CUDA = CPU), and training in fp32 / tf32 / bf16 / fp16.
 
 Skipped where no CUDA device exists (CI); run on a GPU machine with ``python -m pytest tests/test_cuda.py``.
 """
@@ -66,7 +66,7 @@ def test_cuda_matches_cpu_and_incremental_matches_full(name: str) -> None:
     assert len(hyps) == 3 and all(h[0].tokens is not None for h in hyps)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
 def test_training_on_cuda_in_each_precision(copy_data: Path, tmp_path: Path, precision: str) -> None:
     config = tiny_config(copy_data, tmp_path / precision, max_updates=600, validate_every=200, save_every=200,
                          lr=5e-3, warmup_updates=50, device="cuda", precision=precision)

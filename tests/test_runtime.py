@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from nmtflow import runtime
 
@@ -29,3 +30,15 @@ def test_result_is_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     assert runtime.keep_freed_memory() is False
     monkeypatch.delenv(runtime.OPT_OUT)
     assert runtime.keep_freed_memory() is False  # decided once per process
+
+
+def test_tf32_is_a_process_setting_and_autocast_follows_the_precision() -> None:
+    code = ("import torch; from nmtflow.runtime import use_precision as u; m = torch.backends.cuda.matmul; "
+            "a = m.fp32_precision; u('fp32'); b = m.fp32_precision; u('tf32'); print(a == b, m.fp32_precision)")
+    assert run(code) == "True tf32"  # fp32 leaves the default; a subprocess, since the setting is process-wide
+    cpu = torch.device("cpu")
+    for precision in ("fp32", "tf32"):
+        with runtime.autocast(precision, cpu):
+            assert not torch.is_autocast_enabled("cpu")
+    with runtime.autocast("bf16", cpu):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16

@@ -27,6 +27,11 @@ Choices where the paper and SPEC are silent:
   like ordinary keys/values (``state[name + ".k"/".v"]``) and the new positions' ``E`` arrives in ``ctx``.
   Keeping the prefix embeddings themselves in the cache would only recompute the same ``K'``/``V'``.
 
+Speed: keys and values go through one GEMM per input (one for ``[E ; H]`` under fusion) and one fused gate
+(:class:`PairGate`, :class:`FusedGate`): a single autograd node with a hand-written backward that writes the
+GEMM-output gradient in place, where autograd through slices, sums, a sigmoid and a blend would zero-fill and
+add slice gradients. ``benchmarks/shortcuts.py`` measures the cost against the baseline.
+
 Gate statistics (for analysis): with ``record_gates = True`` on the module, or ``ctx.need_weights``, the
 last call leaves ``gates = {"k": r_k, "v": r_v}`` (B,S,D, detached) and ``gate_stats`` (their mean/std).
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -101,24 +107,21 @@ class ShortcutAttention(MultiHeadAttention):
     # ---- the seam ------------------------------------------------------------------------------------
     def project_kv(self, source: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         """source H (B,S,D), shortcut input from ``ctx`` (B,S,D) → K', V' (B,H,S,Dh) (Eq. 9-12)."""
-        shortcut, hidden = self.projections(self.shortcut_input(source, ctx), source)  # (B,S,2,D) each
-        bias = torch.stack([self.k_gate_bias, self.v_gate_bias]).to(hidden.dtype)  # (2,D): [b_k ; b_v]
-        r = torch.sigmoid(shortcut + hidden + bias)  # [r_k, r_v] (B,S,2,D)
-        mixed = torch.addcmul(hidden, r, shortcut - hidden)  # r * X_sc + (1 - r) * X
+        b, s, d = source.shape
+        e = self.shortcut_input(source, ctx)
+        bias = torch.stack([self.k_gate_bias, self.v_gate_bias])  # (2,D): [b_k ; b_v]
+        if self.options.feature_fusion:  # one GEMM: rows [K_sc; K; V_sc; V] of W [E ; H] (Eq. 13-14)
+            w = torch.cat([self.k_fusion.weight, self.v_fusion.weight])  # (4D,2D)
+            y = F.linear(torch.cat([e, source], dim=-1), w).view(b * s, 2, 2, d)  # [k|v] × [shortcut|hidden]
+            k, v, r = FusedGate.apply(y, bias.to(y.dtype))
+        else:  # Eq. 5-8: [K_sc; V_sc] = W_sc E, [K; V] = W H
+            w_sc = torch.cat([self.k_shortcut.weight, self.v_shortcut.weight])  # (2D,D)
+            w = torch.cat([self.k_proj.weight, self.v_proj.weight])  # (2D,D)
+            shortcut, hidden = F.linear(e, w_sc).view(b * s, 2, d), F.linear(source, w).view(b * s, 2, d)
+            k, v, r = PairGate.apply(shortcut, hidden, bias.to(hidden.dtype))
         if self.record_gates or ctx.need_weights:
-            self._record(r.detach())
-        return split_heads(mixed[:, :, 0], self.heads), split_heads(mixed[:, :, 1], self.heads)
-
-    def projections(self, e: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-        """E, H (B,S,D) → [K_sc, V_sc] and [K, V], each (B,S,2,D) (Eq. 5-8, or Eq. 13-14 with fusion)."""
-        b, s, d = h.shape
-        if self.options.feature_fusion:
-            w = torch.cat([self.k_fusion.weight, self.v_fusion.weight])  # (4D,2D) rows [K_sc; K; V_sc; V]
-            y = F.linear(torch.cat([e, h], dim=-1), w).view(b, s, 2, 2, d)  # [k|v] × [shortcut|hidden]
-            return y[:, :, :, 0], y[:, :, :, 1]
-        w_sc = torch.cat([self.k_shortcut.weight, self.v_shortcut.weight])  # (2D,D)
-        w = torch.cat([self.k_proj.weight, self.v_proj.weight])  # (2D,D)
-        return F.linear(e, w_sc).view(b, s, 2, d), F.linear(h, w).view(b, s, 2, d)
+            self._record(r.view(2, b, s, d))
+        return split_heads(k.view(b, s, d), self.heads), split_heads(v.view(b, s, d), self.heads)
 
     def shortcut_input(self, source: Tensor, ctx: AttentionContext) -> Tensor:
         """E, or for non-lexical shortcuts H_{n-2} from layer ``n = ctx.layer + 1`` ≥ 3 on (B,S,D)."""
@@ -135,6 +138,74 @@ class ShortcutAttention(MultiHeadAttention):
         return x
 
     def _record(self, r: Tensor) -> None:
-        self.gates = {"k": r[:, :, 0], "v": r[:, :, 1]}
+        self.gates = {"k": r[0], "v": r[1]}
         self.gate_stats = {f"{kv}_{stat}": fn(g) for kv, g in self.gates.items()
                            for stat, fn in (("mean", torch.mean), ("std", torch.std))}
+
+
+# ---- the gate, fused (Eq. 9-12) ----------------------------------------------------------------------------
+def _gate_forward(shortcut: Tensor, hidden: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """X_sc, X (N,2,D) for [K, V], bias (2,D) → K', V' (N,D) each, r and X_sc − X (2,N,D), kv-major.
+
+    ``r = sigmoid(X_sc + X + b)``, ``X' = X + r (X_sc − X)`` (= r X_sc + (1 − r) X).
+    """
+    sc, h = shortcut.transpose(0, 1), hidden.transpose(0, 1)  # (2,N,D) views
+    r = torch.add(sc, h, out=sc.new_empty(sc.shape)).add_(bias[:, None]).sigmoid_()
+    diff = torch.sub(sc, h, out=sc.new_empty(sc.shape))
+    k, v = (torch.addcmul(h[i], r[i], diff[i], out=sc.new_empty(sc.shape[1:])) for i in range(2))
+    return k, v, r, diff
+
+
+def _gate_backward(grads: tuple[Tensor, Tensor], r: Tensor, diff: Tensor, d_shortcut: Tensor,
+                   d_hidden: Tensor) -> Tensor:
+    """dK', dV' (N,D) → dX_sc, dX written into ``d_shortcut``/``d_hidden`` (N,2,D); returns db (2,D).
+
+    With p = g (X_sc − X) r (1 − r), the gradient of the gate's pre-activation:
+    dX_sc = g r + p, dX = g (1 − r) + p, db = Σ_N p.
+    """
+    db = r.new_empty(2, r.size(-1))
+    for i, g in enumerate(grads):  # keys, then values
+        p = torch.mul(g, diff[i]).mul_(torch.addcmul(r[i], r[i], r[i], value=-1))
+        gr = torch.mul(g, r[i])
+        torch.add(gr, p, out=d_shortcut[:, i])
+        torch.sub(g, gr, out=d_hidden[:, i]).add_(p)
+        torch.sum(p, 0, out=db[i])
+    return db
+
+
+class FusedGate(torch.autograd.Function):
+    """The gates of keys and values from one feature-fusion GEMM output ``y`` (N,2,2,D): [k|v] × [shortcut|hidden].
+
+    Returns K', V' (N,D) and r (2,N,D, no gradient). One autograd node instead of a chain of slices, sums, a
+    sigmoid and a blend: the backward pass writes dy in place, with no zero-filled slice gradients.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        k, v, r, diff = _gate_forward(y[:, :, 0], y[:, :, 1], bias)
+        ctx.save_for_backward(r, diff)
+        ctx.mark_non_differentiable(r)
+        return k, v, r
+
+    @staticmethod
+    def backward(ctx: Any, dk: Tensor, dv: Tensor, _: Tensor) -> tuple[Tensor, Tensor]:
+        r, diff = ctx.saved_tensors
+        dy = r.new_empty(r.size(1), 2, 2, r.size(2))
+        return dy, _gate_backward((dk, dv), r, diff, dy[:, :, 0], dy[:, :, 1])
+
+
+class PairGate(torch.autograd.Function):
+    """:class:`FusedGate` for separate shortcut and hidden projections X_sc, X (N,2,D) (lexical shortcuts)."""
+
+    @staticmethod
+    def forward(ctx: Any, shortcut: Tensor, hidden: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        k, v, r, diff = _gate_forward(shortcut, hidden, bias)
+        ctx.save_for_backward(r, diff)
+        ctx.mark_non_differentiable(r)
+        return k, v, r
+
+    @staticmethod
+    def backward(ctx: Any, dk: Tensor, dv: Tensor, _: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        r, diff = ctx.saved_tensors
+        d_shortcut, d_hidden = (r.new_empty(r.size(1), 2, r.size(2)) for _ in range(2))
+        return d_shortcut, d_hidden, _gate_backward((dk, dv), r, diff, d_shortcut, d_hidden)

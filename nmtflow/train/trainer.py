@@ -31,7 +31,7 @@ from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
-from nmtflow.runtime import keep_freed_memory
+from nmtflow.runtime import CUDA_ONLY_PRECISIONS, autocast, keep_freed_memory, use_precision
 from nmtflow.train import distributed
 from nmtflow.train.checkpoint import FORMAT, load_checkpoint, periodic_checkpoints, save_atomic
 from nmtflow.train.loss import label_smoothed_nll
@@ -87,9 +87,10 @@ class Trainer:
         self.dist = distributed.env_info()
         self.device = distributed.device_for(tc.device, self.dist)
         self.dist = distributed.setup(self.device)  # DDP when launched by torchrun with WORLD_SIZE > 1
-        if tc.precision == "fp16" and self.device.type != "cuda":
-            raise ConfigError(f"train.precision: fp16 needs a CUDA device (this run is on {self.device}); "
-                              "use bf16 on CPU")
+        if tc.precision in CUDA_ONLY_PRECISIONS and self.device.type != "cuda":
+            raise ConfigError(f"train.precision: {tc.precision} needs a CUDA device (this run is on {self.device}); "
+                              "use fp32 or bf16 on CPU")
+        use_precision(tc.precision)
         self.save_dir = Path(tc.save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(tc.seed)
@@ -328,12 +329,8 @@ class Trainer:
         return {**stats, "gnorm": gnorm, "skipped": 0.0}
 
     def autocast(self) -> Any:
-        """The mixed-precision context of ``train.precision`` (a no-op for fp32)."""
-        precision = self.config.train.precision
-        if precision == "fp32":
-            return nullcontext()
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        """The mixed-precision context of ``train.precision`` (a no-op for fp32 and tf32)."""
+        return autocast(self.config.train.precision, self.device)
 
     def train(self) -> TrainResult:
         tc = self.config.train

@@ -105,9 +105,11 @@ def test_bf16_autocast_trains_on_cpu(copy_data: Path, tmp_path: Path) -> None:
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
 
 
-def test_fp16_on_cpu_and_unknown_precision_are_config_errors(copy_data: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="fp16 needs a CUDA device"):
-        Trainer(small_config(copy_data, tmp_path / "fp16", precision="fp16", device="cpu"))
+@pytest.mark.parametrize("precision", ["fp16", "tf32"])
+def test_gpu_precisions_on_cpu_and_unknown_precision_are_config_errors(copy_data: Path, tmp_path: Path,
+                                                                       precision: str) -> None:
+    with pytest.raises(ConfigError, match=f"{precision} needs a CUDA device"):
+        Trainer(small_config(copy_data, tmp_path / precision, precision=precision, device="cpu"))
     with pytest.raises(ConfigError, match="train.precision"):
         tiny_config(copy_data, tmp_path / "x", precision="fp8")
 
