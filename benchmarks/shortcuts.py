@@ -50,8 +50,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--layers", type=int, default=6, help="encoder and decoder layers (shortcuts go into all)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="then profile this many steps per system (CPU): time in matrix products")
-    add_common_args(p, warmup=3, steps=30, rounds=30)  # rounds = steps: interleaved batch by batch
+    add_common_args(p, warmup=3, steps=30, rounds=None)  # default: --steps rounds, interleaved batch by batch
     args = p.parse_args(argv)
+    args.rounds = args.rounds or args.steps
     if args.steps < 1:
         p.error("--steps must be >= 1")
     if args.profile_steps and args.device != "cpu":

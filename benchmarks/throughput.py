@@ -147,7 +147,7 @@ def decode_batch(model: EncoderDecoder, src: Tensor, args: argparse.Namespace) -
 
 
 # ---- shared by the sibling benchmarks (shortcuts.py, phrasal.py, convs2s.py) --------------------------------
-def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, rounds: int) -> None:
+def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, rounds: int | None) -> None:
     """The options every same-batches training benchmark takes (data, batches, timing, device)."""
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
