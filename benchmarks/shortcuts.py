@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         base = profiled["baseline"]
         for name, prof in profiled.items():
             # if the extra matmul FLOPs ran at the baseline's matmul speed and nothing else were added
-            extra = base["matmul_share"] * (prof["matmul_flops"] / base["matmul_flops"] - 1)
-            result[name]["profile"] = {**prof, "matmul_flops_vs_baseline": prof["matmul_flops"] / base["matmul_flops"],
+            flops_ratio = prof["matmul_flops"] / base["matmul_flops"]
+            extra = base["matmul_share"] * (flops_ratio - 1)
+            result[name]["profile"] = {**prof, "matmul_flops_vs_baseline": flops_ratio,
                                        "matmul_only_slowdown_pct": 100 * extra / (1 + extra)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

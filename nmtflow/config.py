@@ -22,7 +22,9 @@ from typing import Any, Union
 
 import yaml
 
-from nmtflow.runtime import PRECISIONS
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision
+CUDA_ONLY_PRECISIONS = ("tf32", "fp16")
 
 
 class ConfigError(ValueError):
@@ -104,7 +106,8 @@ class TrainConfig:
 
     def validate(self, where: str) -> None:
         if self.precision not in PRECISIONS:
-            raise ConfigError(f"{where}.precision: unknown precision {self.precision!r} (known: {', '.join(PRECISIONS)})")
+            raise ConfigError(f"{where}.precision: unknown precision {self.precision!r} "
+                              f"(known: {', '.join(PRECISIONS)})")
         if self.max_bad_updates < 1:
             raise ConfigError(f"{where}.max_bad_updates: must be >= 1, got {self.max_bad_updates}")
 

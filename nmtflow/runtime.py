@@ -47,10 +47,6 @@ def keep_freed_memory() -> bool:
     return _applied
 
 
-PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-CUDA_ONLY_PRECISIONS = ("tf32", "fp16")
-
-
 def use_precision(precision: str) -> None:
     """Process-wide part of ``train.precision``: ``tf32`` lets CUDA float32 matmuls run on TF32 tensor cores.
 

@@ -23,7 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from nmtflow.config import Config, ConfigError, to_dict
+from nmtflow.config import CUDA_ONLY_PRECISIONS, Config, ConfigError, to_dict
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import Bitext, open_bitext, tokenizer_path
 from nmtflow.data.prepare import load_meta
@@ -31,7 +31,7 @@ from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
-from nmtflow.runtime import CUDA_ONLY_PRECISIONS, autocast, keep_freed_memory, use_precision
+from nmtflow.runtime import autocast, keep_freed_memory, use_precision
 from nmtflow.train import distributed
 from nmtflow.train.checkpoint import FORMAT, load_checkpoint, periodic_checkpoints, save_atomic
 from nmtflow.train.loss import label_smoothed_nll
