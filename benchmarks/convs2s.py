@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark module
-from throughput import (Optimiser, add_common_args, peak_rss_mb, prepared_data, timed_training,  # noqa: E402
-                        training_batches)
+from throughput import (Optimiser, add_common_args, default_work, peak_rss_mb, prepared_data,  # noqa: E402
+                        timed_training, training_batches)
 
 from nmtflow.config import load_config, read_yaml  # noqa: E402
 from nmtflow.models.base import Vocabularies, build_model, count_parameters  # noqa: E402
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
 
     # 1. data: the same collated batches for every system
-    work = args.work or Path(f"runs/bench-conv-data-{args.src}-{args.tgt}")
+    work = args.work or default_work(args, "bench-conv-data")
     vocab = prepared_data(args, work, with_valid=False)
     batches = training_batches(work, args, args.warmup + args.steps, device)
     warm, timed = batches[:args.warmup], batches[args.warmup:]

@@ -138,7 +138,8 @@ def prepared(args: argparse.Namespace) -> Path:
     if args.work:
         work = args.work
     elif args.data:
-        work = Path(f"runs/bench-data-{args.src}-{args.tgt}")  # shared with throughput.py
+        suffix = "" if args.vocab_size == 8000 else f"-{args.vocab_size}"  # as throughput.py's default_work
+        work = Path(f"runs/bench-data-{args.src}-{args.tgt}{suffix}")  # shared with throughput.py
     else:
         work = Path(f"runs/bench-peers-{'quick' if args.quick else 'synthetic'}-{args.src}-{args.tgt}")
     if (work / "meta.json").is_file():

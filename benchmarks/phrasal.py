@@ -32,7 +32,8 @@ from nmtflow.decode.search import max_output_lengths
 from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
 from nmtflow.train.loss import label_smoothed_nll
-from throughput import Optimiser, add_common_args, decode_batch, peak_rss_mb, prepared_data, training_batches  # the sibling benchmark's step, search and RSS
+from throughput import (  # the sibling benchmark's step, search and RSS
+    Optimiser, add_common_args, decode_batch, default_work, peak_rss_mb, prepared_data, training_batches)
 
 
 def slots(ngrams: list[int] | None) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rss: dict[str, float] = {}
 
     # 1. data: the same preparation (and default cache) as throughput.py; batches collated once, untimed
-    work = args.work or Path(f"runs/bench-data-{args.src}-{args.tgt}")
+    work = args.work or default_work(args)
     vocab = prepared_data(args, work)
     valid_set = open_bitext(work, "valid", args.src, args.tgt)
     batches = training_batches(work, args, args.warmup + args.steps, device)

@@ -27,9 +27,10 @@ import torch
 
 from nmtflow.config import load_config
 from nmtflow.models.base import Vocabularies, build_model, count_parameters
+from nmtflow.nn import shortcuts as shortcut_module
 from throughput import (  # the sibling benchmark's training step (same batches, same step)
-    Optimiser, add_common_args, matmul_profile, median_step_ratio, peak_rss_mb, prepared_data, timed_training,
-    training_batches)
+    Optimiser, add_common_args, default_work, matmul_profile, median_step_ratio, peak_rss_mb, prepared_data,
+    timed_training, training_batches)
 
 PAPER_WORDS_PER_S = {"baseline": 29_698, "shortcuts": 26_423, "feature_fusion": 23_601}  # Table 5, base
 SC = {"type": "shortcut"}
@@ -41,17 +42,38 @@ SYSTEMS: dict[str, dict[str, Any]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_system_args(p: argparse.ArgumentParser, preset: str) -> None:
+    """Data and model options shared with ``gpu_profile.py``."""
     p.add_argument("--data", type=Path, required=True, help="directory with train.LANG and val.LANG")
     p.add_argument("--work", type=Path, help="prepared-data cache (default runs/bench-data-SRC-TGT, as throughput.py)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/shortcuts.json"))
-    p.add_argument("--preset", default="small", choices=["small", "base", "big"])
+    p.add_argument("--preset", default=preset, choices=["small", "base", "big"])
     p.add_argument("--layers", type=int, default=6, help="encoder and decoder layers (shortcuts go into all)")
+
+
+def build_systems(args: argparse.Namespace, vocab: int, device: torch.device) -> dict[str, Optimiser]:
+    """The three systems from one config; only the attention slots differ."""
+    systems: dict[str, Optimiser] = {}
+    for name, slots in SYSTEMS.items():
+        cfg = load_config(data={
+            "model": {"name": "transformer", "preset": args.preset, "encoder_layers": args.layers,
+                      "decoder_layers": args.layers, **slots},
+            "train": {"seed": args.seed, "precision": args.precision, "label_smoothing": 0.1, "clip_norm": 1.0}})
+        torch.manual_seed(args.seed)
+        systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device), cfg.train)
+    return systems
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_system_args(p, preset="small")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/shortcuts.json"))
     p.add_argument("--profile-steps", type=int, default=0,
                    help="then profile this many steps per system (CPU): time in matrix products")
+    p.add_argument("--elementwise-gate", action="store_true",
+                   help="on CUDA, the gates in elementwise operators (as on the CPU) instead of one fused kernel")
     add_common_args(p, warmup=3, steps=30, rounds=None)  # default: --steps rounds, interleaved batch by batch
     args = p.parse_args(argv)
+    shortcut_module.USE_CUDA_KERNELS = not args.elementwise_gate
     args.rounds = args.rounds or args.steps
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -61,20 +83,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
 
     # 1. data: the same preparation (and default cache) as throughput.py; batches collated once, untimed
-    work = args.work or Path(f"runs/bench-data-{args.src}-{args.tgt}")
+    work = args.work or default_work(args)
     vocab = prepared_data(args, work)
     batches = training_batches(work, args, args.warmup + args.steps, device)
     warm, timed = batches[:args.warmup], batches[args.warmup:]
 
     # 2. models: one config, only the attention slots differ
-    systems: dict[str, Optimiser] = {}
-    for name, slots in SYSTEMS.items():
-        cfg = load_config(data={
-            "model": {"name": "transformer", "preset": args.preset, "encoder_layers": args.layers,
-                      "decoder_layers": args.layers, **slots},
-            "train": {"seed": args.seed, "precision": args.precision, "label_smoothing": 0.1, "clip_norm": 1.0}})
-        torch.manual_seed(args.seed)
-        systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device), cfg.train)
+    systems = build_systems(args, vocab, device)
 
     # 3. untimed warm-up, then alternating timed blocks over the same batches
     seconds, all_losses, steps = timed_training(systems, warm, timed, args.rounds, device)
@@ -89,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "device": str(device), "python": platform.python_version(), "arch": platform.machine()},
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "preset": args.preset, "layers": args.layers, "max_tokens": args.max_tokens,
-                   "precision": args.precision,
+                   "precision": args.precision, "elementwise_gate": args.elementwise_gate,
                    "warmup_batches": len(warm), "timed_batches": len(timed), "rounds": rounds,
                    "timed_tgt_tokens": tokens, "seed": args.seed},
         "peak_rss_mb": round(peak_rss_mb(), 1),

@@ -163,6 +163,12 @@ def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, roun
     p.add_argument("--seed", type=int, default=1)
 
 
+def default_work(args: argparse.Namespace, name: str = "bench-data") -> Path:
+    """The default prepared-data cache: ``runs/NAME-SRC-TGT``, with ``-VOCAB`` unless ``--vocab-size`` is 8000."""
+    suffix = "" if args.vocab_size == 8000 else f"-{args.vocab_size}"
+    return Path(f"runs/{name}-{args.src}-{args.tgt}{suffix}")
+
+
 def prepared_data(args: argparse.Namespace, work: Path, with_valid: bool = True) -> int:
     """Prepare ``args.data`` (train, and val or valid) into the cache ``work`` once; returns the vocabulary size."""
     if not (work / "meta.json").is_file():
@@ -170,6 +176,10 @@ def prepared_data(args: argparse.Namespace, work: Path, with_valid: bool = True)
         if with_valid:
             splits["valid"] = args.data / ("val" if (args.data / f"val.{args.src}").is_file() else "valid")
         prepare(splits, [args.src, args.tgt], work, vocab_size=args.vocab_size, joint=True)
+    cached = load_meta(work)["vocab_size"][args.tgt]
+    if cached != args.vocab_size:
+        raise SystemExit(f"{work} holds a {cached}-piece vocabulary, not --vocab-size {args.vocab_size}: "
+                         "pass another --work")
     return load_tokenizer(work, args.tgt, load_meta(work)).vocab_size
 
 
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rss: dict[str, float] = {}
 
     # 1. data
-    work = args.work or Path(f"runs/bench-data-{args.src}-{args.tgt}")
+    work = args.work or default_work(args)
     vocab = prepared_data(args, work)
     valid = open_bitext(work, "valid", args.src, args.tgt)
     batches = training_batches(work, args, args.warmup + args.steps + args.train_steps, device)

@@ -53,9 +53,17 @@ def use_precision(precision: str) -> None:
     Weights, activations and gradients stay float32; only the matmul inner products round their inputs to
     TF32's 10-bit mantissa (Ampere and later; several times the float32 matmul speed). Other precisions
     leave the global setting as it is.
+
+    bf16/fp16 also turn off cuDNN's attention backend of ``scaled_dot_product_attention`` (the only one that
+    takes no float32): it builds an execution plan for every new input shape, and token-based batches change
+    shape at almost every step. On an H100 the Transformer-base baseline of ``benchmarks/shortcuts.py``, first
+    to meet each shape, took 38.6 s for 100 batches that the systems after it trained in 7.1–7.6 s
+    (``benchmarks/README.md``). Flash and memory-efficient attention need no plans.
     """
     if precision == "tf32":
         torch.backends.cuda.matmul.fp32_precision = "tf32"
+    if precision in ("bf16", "fp16"):
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def autocast(precision: str, device: torch.device) -> AbstractContextManager:

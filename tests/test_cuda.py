@@ -15,6 +15,7 @@ from nmtflow.decode.search import beam_search
 from nmtflow.decode.translate import Translator
 from nmtflow.models.base import Vocabularies, build_model
 from nmtflow.models.multilingual import LanguageVocabularies
+from nmtflow.nn.shortcuts import FusedGate, PairGate
 from nmtflow.train.checkpoint import load_checkpoint
 from nmtflow.train.trainer import Trainer, read_log
 
@@ -64,6 +65,28 @@ def test_cuda_matches_cpu_and_incremental_matches_full(name: str) -> None:
     torch.testing.assert_close(steps, full, atol=2e-4, rtol=2e-4)
     hyps = beam_search(model, s, beam_size=3, max_len_a=1.0, max_len_b=5)
     assert len(hyps) == 3 and all(h[0].tokens is not None for h in hyps)
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_gate_kernels_match_the_cpu_gate(fusion: bool, dtype: torch.dtype) -> None:
+    """The fused CUDA kernels of the shortcut gate (forward, backward) against the CPU path, gradients too."""
+    torch.manual_seed(0)
+    n, d = 300, 24
+    y, grad = torch.randn(n, 2, 2, d), torch.randn(n, 2, d)
+    bias = torch.randn(2, d)
+
+    def run(device: str, dt: torch.dtype) -> list[torch.Tensor]:
+        leaves = [x.to(device, dt).requires_grad_() for x in (y, bias)]
+        yy, b = leaves
+        k, v = FusedGate.apply(yy, b) if fusion else PairGate.apply(yy[:, :, 0], yy[:, :, 1], b)
+        out = torch.stack([k, v], dim=1)  # (N,2,D)
+        return [out, *torch.autograd.grad(out, leaves, grad.to(device, dt))]
+
+    expected = run("cpu", torch.float32)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    for name, got, want in zip(["output", "dy", "db"], run("cuda", dtype), expected):
+        torch.testing.assert_close(got.float().cpu(), want, msg=name, **tol)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])

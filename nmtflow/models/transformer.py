@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
-from nmtflow.nn.attention import AttentionConfig, AttentionContext, build_attention
+from nmtflow.nn.attention import AttentionConfig, AttentionContext, build_attention, link_stack
 from nmtflow.nn.layers import FeedForward, SinusoidalPositions, token_embedding
 from nmtflow.registry import register_model
 
@@ -135,6 +135,7 @@ class TransformerEncoder(nn.Module):
         self.embedder = embedder
         self.layers = nn.ModuleList(EncoderLayer(cfg, i) for i in range(cfg.encoder_layers))
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        link_stack([layer.self_attn for layer in self.layers])
 
     def forward(self, src: Tensor, need_weights: bool = False,
                 layer_outputs: list[Tensor] | None = None) -> EncoderOut:
@@ -165,6 +166,9 @@ class TransformerDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, cross_attention=cross_attention)
                                     for i in range(cfg.decoder_layers))
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else nn.Identity()
+        link_stack([layer.self_attn for layer in self.layers])
+        if cross_attention:
+            link_stack([layer.cross_attn for layer in self.layers])
         self.output_weight = output_weight  # (V,D), usually tied to the target embedding
 
     def features(self, tgt_in: Tensor, enc: EncoderOut, state: State | None = None,

@@ -43,13 +43,15 @@ class AttentionContext:
 
     ``embeddings``: the input of layer 1 of the stack that owns the keys (E in Emelin et al. 2019);
     ``layer_inputs``: the inputs H_0 … H_{l-1} of the layers below (for non-lexical shortcuts);
-    ``layer``: 0-based index of the current layer; ``need_weights``: return attention weights.
+    ``layer``: 0-based index of the current layer; ``need_weights``: return attention weights;
+    ``shared``: work the layers of one stack share within one forward pass (see :meth:`~MultiHeadAttention.link`).
     """
 
     embeddings: Tensor | None = None
     layer_inputs: list[Tensor] = field(default_factory=list)
     layer: int = 0
     need_weights: bool = False
+    shared: dict[str, Any] = field(default_factory=dict)
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
@@ -132,6 +134,11 @@ class MultiHeadAttention(nn.Module):
             nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
         nn.init.xavier_uniform_(self.out_proj.weight)
 
+    def link(self, stack: list[MultiHeadAttention]) -> None:
+        """Called by a layer stack with the modules of this slot in every layer (this one included), bottom to
+        top, so that a variant may compute work common to all layers once per forward pass (``ctx.shared``).
+        """
+
     # ---- seams -------------------------------------------------------------------------------------
     def project_kv(self, source: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         """source (B,S,D) → keys, values (B,H,S,Dh)."""
@@ -192,6 +199,12 @@ class MultiHeadAttention(nn.Module):
             v = extend_cache(state[self.name + ".v"], v, rows)
         state[self.name + ".k"], state[self.name + ".v"] = k, v
         return k, v
+
+
+def link_stack(stack: list[MultiHeadAttention]) -> None:
+    """Introduce the modules of one attention slot across a stack's layers to each other (:meth:`link`)."""
+    for module in stack:
+        module.link(stack)
 
 
 def build_attention(options: AttentionConfig, d_model: int, heads: int, *, dropout: float,

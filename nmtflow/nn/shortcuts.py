@@ -28,9 +28,13 @@ Choices where the paper and SPEC are silent:
   Keeping the prefix embeddings themselves in the cache would only recompute the same ``K'``/``V'``.
 
 Speed: keys and values go through one GEMM per input (one for ``[E ; H]`` under fusion) and one fused gate
-(:class:`PairGate`, :class:`FusedGate`): a single autograd node with a hand-written backward that writes the
-GEMM-output gradient in place, where autograd through slices, sums, a sigmoid and a blend would zero-fill and
-add slice gradients. ``benchmarks/shortcuts.py`` measures the cost against the baseline.
+(:class:`PairGate`, :class:`FusedGate`) over both: a single autograd node with a hand-written backward that
+writes the GEMM-output gradient whole, where autograd through slices, sums, a sigmoid and a blend would
+zero-fill and add slice gradients. On CUDA the gate's forward and backward are one elementwise kernel each.
+E is the same for all layers of a stack, so the lexical shortcuts of one slot compute ``W_sc E`` for all their
+layers in one GEMM (:class:`StackedLinear`; the stack links its layers, :meth:`ShortcutAttention.link`). A
+training step on a GPU is bound by how many kernels it launches at ~4k-token batches (``benchmarks/README.md``);
+``benchmarks/shortcuts.py`` measures the cost against the baseline.
 
 Gate statistics (for analysis): with ``record_gates = True`` on the module, or ``ctx.need_weights``, the
 last call leaves ``gates = {"k": r_k, "v": r_v}`` (B,S,D, detached) and ``gate_stats`` (their mean/std).
@@ -91,7 +95,15 @@ class ShortcutAttention(MultiHeadAttention):
         self.record_gates = False
         self.gates: dict[str, Tensor] = {}
         self.gate_stats: dict[str, Tensor] = {}
+        self.stack: tuple[ShortcutAttention, ...] = ()  # lexical shortcuts of one stack slot: W_sc E shared
         self.reset_parameters()
+
+    def link(self, stack: list[MultiHeadAttention]) -> None:
+        """Lexical shortcuts (not fused) of all layers of a slot project the one E together (:class:`StackedLinear`)."""
+        if self.options.source == "lexical" and not self.options.feature_fusion:
+            group = tuple(m for m in stack if isinstance(m, ShortcutAttention) and m.options.source == "lexical"
+                          and not m.options.feature_fusion)
+            self.stack = group  # a tuple of modules: plain references, no submodules or state-dict entries
 
     def reset_parameters(self) -> None:
         nn.init.xavier_uniform_(self.out_proj.weight)
@@ -113,15 +125,32 @@ class ShortcutAttention(MultiHeadAttention):
         if self.options.feature_fusion:  # one GEMM: rows [K_sc; K; V_sc; V] of W [E ; H] (Eq. 13-14)
             w = torch.cat([self.k_fusion.weight, self.v_fusion.weight])  # (4D,2D)
             y = F.linear(torch.cat([e, source], dim=-1), w).view(b * s, 2, 2, d)  # [k|v] × [shortcut|hidden]
-            k, v, r = FusedGate.apply(y, bias.to(y.dtype))
+            shortcut, hidden = y[:, :, 0], y[:, :, 1]
+            kv = FusedGate.apply(y, bias.to(y.dtype))  # K', V' (N,D) each
         else:  # Eq. 5-8: [K_sc; V_sc] = W_sc E, [K; V] = W H
-            w_sc = torch.cat([self.k_shortcut.weight, self.v_shortcut.weight])  # (2D,D)
             w = torch.cat([self.k_proj.weight, self.v_proj.weight])  # (2D,D)
-            shortcut, hidden = F.linear(e, w_sc).view(b * s, 2, d), F.linear(source, w).view(b * s, 2, d)
-            k, v, r = PairGate.apply(shortcut, hidden, bias.to(hidden.dtype))
+            shortcut, hidden = self.project_shortcut(e, ctx), F.linear(source, w).view(b * s, 2, d)
+            kv = PairGate.apply(shortcut, hidden, bias.to(hidden.dtype))
         if self.record_gates or ctx.need_weights:
-            self._record(r.view(2, b, s, d))
-        return split_heads(k.view(b, s, d), self.heads), split_heads(v.view(b, s, d), self.heads)
+            with torch.no_grad():
+                self._record(torch.add(shortcut, hidden).add_(bias).sigmoid_().view(b, s, 2, d))
+        k, v = (x.view(b, s, d) for x in kv)
+        return split_heads(k, self.heads), split_heads(v, self.heads)
+
+    def project_shortcut(self, e: Tensor, ctx: AttentionContext) -> Tensor:
+        """[K_sc | V_sc] = [W_ksc ; W_vsc] E (N,2,D) (Eq. 5, 7).
+
+        E is the same for every layer of a stack, so a linked module (:meth:`link`) computes the products of
+        all its stack's layers in one GEMM, once per forward pass, and takes its own slice.
+        """
+        b, s, d = e.shape
+        if self not in self.stack:
+            return F.linear(e, torch.cat([self.k_shortcut.weight, self.v_shortcut.weight])).view(b * s, 2, d)
+        key = f"shortcut:{self.stack[0].name}"
+        if key not in ctx.shared:
+            w = torch.cat([w for m in self.stack for w in (m.k_shortcut.weight, m.v_shortcut.weight)])  # (2LD,D)
+            ctx.shared[key] = StackedLinear.apply(e.reshape(b * s, d), w, len(self.stack))
+        return ctx.shared[key][self.stack.index(self)]
 
     def shortcut_input(self, source: Tensor, ctx: AttentionContext) -> Tensor:
         """E, or for non-lexical shortcuts H_{n-2} from layer ``n = ctx.layer + 1`` ≥ 3 on (B,S,D)."""
@@ -138,7 +167,8 @@ class ShortcutAttention(MultiHeadAttention):
         return x
 
     def _record(self, r: Tensor) -> None:
-        self.gates = {"k": r[0], "v": r[1]}
+        """r (B,S,2,D): [r_k | r_v]."""
+        self.gates = {"k": r[:, :, 0], "v": r[:, :, 1]}
         self.gate_stats = {f"{kv}_{stat}": fn(g) for kv, g in self.gates.items()
                            for stat, fn in (("mean", torch.mean), ("std", torch.std))}
 
@@ -147,7 +177,8 @@ class ShortcutAttention(MultiHeadAttention):
 def _gate_forward(shortcut: Tensor, hidden: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """X_sc, X (N,2,D) for [K, V], bias (2,D) → K', V' (N,D) each, r and X_sc − X (2,N,D), kv-major.
 
-    ``r = sigmoid(X_sc + X + b)``, ``X' = X + r (X_sc − X)`` (= r X_sc + (1 − r) X).
+    ``r = sigmoid(X_sc + X + b)``, ``X' = X + r (X_sc − X)`` (= r X_sc + (1 − r) X). K' and V' come out
+    contiguous: on the CPU attention over strided keys and values is slower.
     """
     sc, h = shortcut.transpose(0, 1), hidden.transpose(0, 1)  # (2,N,D) views
     r = torch.add(sc, h, out=sc.new_empty(sc.shape)).add_(bias[:, None]).sigmoid_()
@@ -156,56 +187,149 @@ def _gate_forward(shortcut: Tensor, hidden: Tensor, bias: Tensor) -> tuple[Tenso
     return k, v, r, diff
 
 
-def _gate_backward(grads: tuple[Tensor, Tensor], r: Tensor, diff: Tensor, d_shortcut: Tensor,
-                   d_hidden: Tensor) -> Tensor:
-    """dK', dV' (N,D) → dX_sc, dX written into ``d_shortcut``/``d_hidden`` (N,2,D); returns db (2,D).
+def _gate_backward(grads: tuple[Tensor, Tensor], r: Tensor, diff: Tensor) -> tuple[Tensor, Tensor]:
+    """dK', dV' (N,D) → dy (N,2,2,D): [k|v] × [dX_sc | dX], and db (2,D).
 
     With p = g (X_sc − X) r (1 − r), the gradient of the gate's pre-activation:
     dX_sc = g r + p, dX = g (1 − r) + p, db = Σ_N p.
     """
+    dy = r.new_empty(r.size(1), 2, 2, r.size(2))
     db = r.new_empty(2, r.size(-1))
     for i, g in enumerate(grads):  # keys, then values
         p = torch.mul(g, diff[i]).mul_(torch.addcmul(r[i], r[i], r[i], value=-1))
         gr = torch.mul(g, r[i])
-        torch.add(gr, p, out=d_shortcut[:, i])
-        torch.sub(g, gr, out=d_hidden[:, i]).add_(p)
+        torch.add(gr, p, out=dy[:, i, 0])
+        torch.sub(g, gr, out=dy[:, i, 1]).add_(p)
         torch.sum(p, 0, out=db[i])
-    return db
+    return dy, db
+
+
+# On CUDA each direction is one elementwise kernel over keys and values together (compiled at first use by
+# PyTorch's jiterator), computed in float32 whatever the storage type; the backward recomputes r from X_sc, X
+# instead of saving r and X_sc − X. A step there is bound by kernel launches (benchmarks/README.md).
+_CUDA_GATE = """
+template <typename T> float shortcut_gate_r(T sc, T h, T b) {
+  return 1.0f / (1.0f + expf(-(static_cast<float>(sc) + static_cast<float>(h) + static_cast<float>(b))));
+}
+"""
+_CUDA_FORWARD = _CUDA_GATE + """
+template <typename T> T shortcut_gate(T sc, T h, T b) {
+  float r = shortcut_gate_r(sc, h, b), x = static_cast<float>(h);
+  return static_cast<T>(x + r * (static_cast<float>(sc) - x));
+}
+"""
+# (g, X_sc, X, b, first) → (dX_sc where first else dX, p where first else 0): ``first`` runs along the
+# [shortcut | hidden] axis of dy (N,2,2,D), which comes out whole; Σ p is db.
+_CUDA_BACKWARD = _CUDA_GATE + """
+template <typename T> void shortcut_gate_backward(T g, T sc, T h, T b, T first, T& d, T& p) {
+  float r = shortcut_gate_r(sc, h, b), gf = static_cast<float>(g);
+  float q = gf * (static_cast<float>(sc) - static_cast<float>(h)) * r * (1.0f - r);
+  bool is_shortcut = static_cast<float>(first) > 0.5f;
+  d = static_cast<T>(is_shortcut ? gf * r + q : gf * (1.0f - r) + q);
+  p = static_cast<T>(is_shortcut ? q : 0.0f);
+}
+"""
+_cuda_kernels: tuple[Any, Any] | None = None
+_first_flags: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # [1, 0] (1,1,2,1) per dtype and device
+USE_CUDA_KERNELS = True  # False: the same elementwise operators as on the CPU
+
+
+def _use_cuda_kernels(x: Tensor) -> bool:
+    return x.is_cuda and USE_CUDA_KERNELS
+
+
+def _cuda_gate_kernels() -> tuple[Any, Any]:
+    """The jiterator kernels (forward, backward), created once."""
+    global _cuda_kernels
+    if _cuda_kernels is None:
+        from torch.cuda import jiterator
+        _cuda_kernels = (jiterator._create_jit_fn(_CUDA_FORWARD),
+                         jiterator._create_multi_output_jit_fn(_CUDA_BACKWARD, num_outputs=2))
+    return _cuda_kernels
+
+
+def _cuda_gate_backward(grads: tuple[Tensor, Tensor], shortcut: Tensor, hidden: Tensor,
+                        bias: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_gate_backward` on CUDA from the saved X_sc, X (N,2,D): a stack, one kernel and a sum."""
+    grad = torch.stack(grads, dim=1)  # (N,2,D)
+    n, _, d = grad.shape
+    shape = (n, 2, 2, d)
+    key = (grad.dtype, grad.device)
+    if key not in _first_flags:  # made once: no host-to-device copy per step
+        _first_flags[key] = torch.tensor([1.0, 0.0], dtype=grad.dtype, device=grad.device).view(1, 1, 2, 1)
+    first = _first_flags[key].expand(shape)
+    dy, p = _cuda_gate_kernels()[1](*(x.unsqueeze(2).expand(shape) for x in (grad, shortcut, hidden)),
+                                    bias[:, None].expand(shape), first)
+    return dy, p.sum((0, 2))
+
+
+def _forward(ctx: Any, shortcut: Tensor, hidden: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward of :class:`FusedGate` and :class:`PairGate`: K', V' (N,D); the CPU path saves r, X_sc − X."""
+    ctx.cuda = _use_cuda_kernels(shortcut)
+    if ctx.cuda:
+        kv = _cuda_gate_kernels()[0](shortcut, hidden, bias)  # (N,2,D)
+        return kv[:, 0], kv[:, 1]
+    k, v, r, diff = _gate_forward(shortcut, hidden, bias)
+    ctx.save_for_backward(r, diff)
+    return k, v
 
 
 class FusedGate(torch.autograd.Function):
-    """The gates of keys and values from one feature-fusion GEMM output ``y`` (N,2,2,D): [k|v] × [shortcut|hidden].
+    """K', V' (N,D) from the feature-fusion GEMM output ``y`` (N,2,2,D): [k|v] × [shortcut|hidden].
 
-    Returns K', V' (N,D) and r (2,N,D, no gradient). One autograd node instead of a chain of slices, sums, a
-    sigmoid and a blend: the backward pass writes dy in place, with no zero-filled slice gradients.
+    One autograd node instead of a chain of slices, sums, a sigmoid and a blend: the backward writes dy
+    whole, with no zero-filled slice gradients; on CUDA forward and backward are one fused kernel each.
     """
 
     @staticmethod
-    def forward(ctx: Any, y: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        k, v, r, diff = _gate_forward(y[:, :, 0], y[:, :, 1], bias)
-        ctx.save_for_backward(r, diff)
-        ctx.mark_non_differentiable(r)
-        return k, v, r
+    def forward(ctx: Any, y: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = _forward(ctx, y[:, :, 0], y[:, :, 1], bias)
+        if ctx.cuda:
+            ctx.save_for_backward(y, bias)
+        return k, v
 
     @staticmethod
-    def backward(ctx: Any, dk: Tensor, dv: Tensor, _: Tensor) -> tuple[Tensor, Tensor]:
-        r, diff = ctx.saved_tensors
-        dy = r.new_empty(r.size(1), 2, 2, r.size(2))
-        return dy, _gate_backward((dk, dv), r, diff, dy[:, :, 0], dy[:, :, 1])
+    def backward(ctx: Any, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
+        if ctx.cuda:
+            y, bias = ctx.saved_tensors
+            return _cuda_gate_backward((dk, dv), y[:, :, 0], y[:, :, 1], bias)
+        return _gate_backward((dk, dv), *ctx.saved_tensors)
 
 
 class PairGate(torch.autograd.Function):
     """:class:`FusedGate` for separate shortcut and hidden projections X_sc, X (N,2,D) (lexical shortcuts)."""
 
     @staticmethod
-    def forward(ctx: Any, shortcut: Tensor, hidden: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        k, v, r, diff = _gate_forward(shortcut, hidden, bias)
-        ctx.save_for_backward(r, diff)
-        ctx.mark_non_differentiable(r)
-        return k, v, r
+    def forward(ctx: Any, shortcut: Tensor, hidden: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = _forward(ctx, shortcut, hidden, bias)
+        if ctx.cuda:
+            ctx.save_for_backward(shortcut, hidden, bias)
+        return k, v
 
     @staticmethod
-    def backward(ctx: Any, dk: Tensor, dv: Tensor, _: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        r, diff = ctx.saved_tensors
-        d_shortcut, d_hidden = (r.new_empty(r.size(1), 2, r.size(2)) for _ in range(2))
-        return d_shortcut, d_hidden, _gate_backward((dk, dv), r, diff, d_shortcut, d_hidden)
+    def backward(ctx: Any, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        dy, db = (_cuda_gate_backward((dk, dv), *ctx.saved_tensors) if ctx.cuda
+                  else _gate_backward((dk, dv), *ctx.saved_tensors))
+        return dy[:, :, 0], dy[:, :, 1], db
+
+
+class StackedLinear(torch.autograd.Function):
+    """``E Wᵀ`` for the stacked weights of L layers (W: (L·2D, D)) as L outputs [K_sc | V_sc] (N,2,D).
+
+    One GEMM forward and two backward instead of L and 2L; the backward stacks the L output gradients once
+    (a layer's slice of one output tensor would instead get a zero-filled full-size gradient each).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, e: Tensor, weight: Tensor, layers: int) -> tuple[Tensor, ...]:
+        y = F.linear(e, weight)  # (N, L·2D); under autocast in its dtype
+        ctx.save_for_backward(e, weight)
+        return y.view(e.size(0), layers, 2, -1).unbind(1)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, Tensor, None]:
+        e, weight = ctx.saved_tensors
+        dy = torch.stack(grads, dim=1).flatten(1)  # (N, L·2D)
+        de = dy.mm(weight.to(dy.dtype)).to(e.dtype)
+        dw = dy.t().mm(e.to(dy.dtype)).to(weight.dtype)
+        return de, dw, None

@@ -13,7 +13,7 @@ from nmtflow.data.vocab import BOS, EOS, PAD
 from nmtflow.decode.search import beam_search, sequence_logprobs
 from nmtflow.models.base import Vocabularies, build_model, reorder
 from nmtflow.nn.attention import AttentionContext, split_heads
-from nmtflow.nn.shortcuts import ShortcutAttention, ShortcutOptions
+from nmtflow.nn.shortcuts import ShortcutAttention, ShortcutOptions, StackedLinear
 
 from tests.conftest import padded_batch
 
@@ -157,6 +157,70 @@ def test_fused_gate_gradients_equal_autograd_through_the_equations(fusion: bool)
             assert got is None, name
         else:
             torch.testing.assert_close(got, want, msg=name)
+
+
+def _reference_kernels() -> tuple:
+    """The CUDA gate kernels' elementwise math in torch, to run their host-side code on the CPU."""
+    def forward(sc: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return h + torch.sigmoid(sc + h + b) * (sc - h)
+
+    def backward(g: torch.Tensor, sc: torch.Tensor, h: torch.Tensor, b: torch.Tensor,
+                 first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r = torch.sigmoid(sc + h + b)
+        q = g * (sc - h) * r * (1 - r)
+        is_shortcut = first > 0.5
+        return torch.where(is_shortcut, g * r + q, g * (1 - r) + q), torch.where(is_shortcut, q, 0 * q)
+
+    return forward, backward
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_cuda_gate_path_gives_the_cpu_gradients(fusion: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA gate's host side (one kernel each way, K'/V' as views of one output, dy assembled by the
+    ``first`` flag, db = Σ p) with the kernels' math in torch: the same values and gradients as the CPU path."""
+    from nmtflow.nn import shortcuts
+
+    torch.manual_seed(0)
+    y = torch.randn(30, 2, 2, 8, dtype=torch.float64)
+    bias = torch.randn(2, 8, dtype=torch.float64)
+    up = torch.randn(2, 30, 8, dtype=torch.float64)
+
+    def run() -> list[torch.Tensor]:
+        yy, b = y.clone().requires_grad_(), bias.clone().requires_grad_()
+        k, v = shortcuts.FusedGate.apply(yy, b) if fusion else shortcuts.PairGate.apply(yy[:, :, 0], yy[:, :, 1], b)
+        return [k, v, *torch.autograd.grad((k * up[0]).sum() + (v * up[1]).sum(), [yy, b])]
+
+    expected = run()
+    monkeypatch.setattr(shortcuts, "_use_cuda_kernels", lambda x: True)
+    monkeypatch.setattr(shortcuts, "_cuda_gate_kernels", _reference_kernels)
+    for name, got, want in zip(["K'", "V'", "dy", "db"], run(), expected, strict=True):
+        torch.testing.assert_close(got, want, msg=name)
+
+
+@pytest.mark.parametrize("variant", ["lexical", "self+cross"])
+def test_stack_wide_shortcut_projection_equals_one_per_layer(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linked lexical shortcuts project E for all layers of a slot in one GEMM: same outputs, same gradients."""
+    model = make(variant).train()
+    src, tgt = batch()
+    calls = []
+    real = StackedLinear.apply
+    monkeypatch.setattr(StackedLinear, "apply", lambda *a: calls.append(a[2]) or real(*a))
+
+    def outputs_and_grads() -> list[torch.Tensor]:
+        torch.manual_seed(3)  # the same dropout masks
+        out = model(src, tgt)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return [out, *torch.autograd.grad((out * torch.linspace(-1, 1, out.size(-1))).sum(), params)]
+
+    linked = outputs_and_grads()
+    slots = 3 if variant == "self+cross" else 2
+    assert calls == [2] * slots  # one stacked GEMM per slot, over both layers
+    for m in shortcut_modules(model):
+        m.stack = ()  # unlinked: one GEMM per layer
+    calls.clear()
+    for got, want in zip(outputs_and_grads(), linked, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not calls
 
 
 def test_nonlexical_layer_n_takes_h_n_minus_2_and_layers_1_2_take_e() -> None:
