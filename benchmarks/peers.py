@@ -35,6 +35,7 @@ from nmtflow.data.bitext import open_bitext
 from nmtflow.data.prepare import load_meta, load_tokenizer, prepare
 from nmtflow.decode.search import max_output_lengths
 from nmtflow.decode.translate import batches_by_length
+from throughput import default_work  # the sibling benchmark's data cache
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -138,8 +139,7 @@ def prepared(args: argparse.Namespace) -> Path:
     if args.work:
         work = args.work
     elif args.data:
-        suffix = "" if args.vocab_size == 8000 else f"-{args.vocab_size}"  # as throughput.py's default_work
-        work = Path(f"runs/bench-data-{args.src}-{args.tgt}{suffix}")  # shared with throughput.py
+        work = default_work(args)  # shared with throughput.py
     else:
         work = Path(f"runs/bench-peers-{'quick' if args.quick else 'synthetic'}-{args.src}-{args.tgt}")
     if (work / "meta.json").is_file():

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nmtflow.config import TrainConfig, load_config
+from nmtflow.config import PRECISIONS, TrainConfig, load_config
 from nmtflow.data.batching import Batch, TokenBatchSampler, collate
 from nmtflow.data.bitext import open_bitext
 from nmtflow.data.prepare import load_meta, load_tokenizer, prepare
@@ -147,25 +147,29 @@ def decode_batch(model: EncoderDecoder, src: Tensor, args: argparse.Namespace) -
 
 
 # ---- shared by the sibling benchmarks (shortcuts.py, phrasal.py, convs2s.py) --------------------------------
+DEFAULT_VOCAB = 8000  # --vocab-size
+
+
 def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, rounds: int | None) -> None:
     """The options every same-batches training benchmark takes (data, batches, timing, device)."""
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
-    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--warmup", type=int, default=warmup, help="untimed training batches per system")
     p.add_argument("--steps", type=int, default=steps, help="timed training batches per system")
     p.add_argument("--rounds", type=int, default=rounds, help="alternating blocks the timed steps are split into")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", help="cpu | cuda (timings synchronise the GPU)")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"],
+    p.add_argument("--precision", default="fp32", choices=[x for x in PRECISIONS if x != "fp16"],  # no GradScaler
                    help="train.precision of every system: tf32 matmuls (CUDA) or bf16 autocast")
     p.add_argument("--seed", type=int, default=1)
 
 
 def default_work(args: argparse.Namespace, name: str = "bench-data") -> Path:
-    """The default prepared-data cache: ``runs/NAME-SRC-TGT``, with ``-VOCAB`` unless ``--vocab-size`` is 8000."""
-    suffix = "" if args.vocab_size == 8000 else f"-{args.vocab_size}"
+    """The default prepared-data cache: ``runs/NAME-SRC-TGT``, with ``-VOCAB`` for a ``--vocab-size`` other than
+    the default."""
+    suffix = "" if args.vocab_size == DEFAULT_VOCAB else f"-{args.vocab_size}"
     return Path(f"runs/{name}-{args.src}-{args.tgt}{suffix}")
 
 
@@ -176,11 +180,11 @@ def prepared_data(args: argparse.Namespace, work: Path, with_valid: bool = True)
         if with_valid:
             splits["valid"] = args.data / ("val" if (args.data / f"val.{args.src}").is_file() else "valid")
         prepare(splits, [args.src, args.tgt], work, vocab_size=args.vocab_size, joint=True)
-    cached = load_meta(work)["vocab_size"][args.tgt]
-    if cached != args.vocab_size:
-        raise SystemExit(f"{work} holds a {cached}-piece vocabulary, not --vocab-size {args.vocab_size}: "
-                         "pass another --work")
-    return load_tokenizer(work, args.tgt, load_meta(work)).vocab_size
+    meta = load_meta(work)
+    if meta["vocab_size"][args.tgt] != args.vocab_size:
+        raise SystemExit(f"{work} holds a {meta['vocab_size'][args.tgt]}-piece vocabulary, not --vocab-size "
+                         f"{args.vocab_size}: pass another --work")
+    return load_tokenizer(work, args.tgt, meta).vocab_size
 
 
 def training_batches(work: Path, args: argparse.Namespace, count: int, device: torch.device) -> list[Batch]:

@@ -18,6 +18,7 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 OPT_OUT = "NMTFLOW_SYSTEM_MALLOC"  # set to 1 to leave malloc as it is
 
 _applied: bool | None = None
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision → autocast dtype
 
 
 def keep_freed_memory() -> bool:
@@ -62,12 +63,12 @@ def use_precision(precision: str) -> None:
     """
     if precision == "tf32":
         torch.backends.cuda.matmul.fp32_precision = "tf32"
-    if precision in ("bf16", "fp16"):
+    if precision in AUTOCAST_DTYPES:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def autocast(precision: str, device: torch.device) -> AbstractContextManager:
     """The per-step mixed-precision context of ``train.precision``: autocast for bf16/fp16, else a no-op."""
-    if precision in ("bf16", "fp16"):
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    if precision in AUTOCAST_DTYPES:
+        return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[precision])
     return nullcontext()

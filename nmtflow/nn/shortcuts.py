@@ -144,7 +144,7 @@ class ShortcutAttention(MultiHeadAttention):
         all its stack's layers in one GEMM, once per forward pass, and takes its own slice.
         """
         b, s, d = e.shape
-        if self not in self.stack:
+        if not self.stack:  # not linked to a stack
             return F.linear(e, torch.cat([self.k_shortcut.weight, self.v_shortcut.weight])).view(b * s, 2, d)
         key = f"shortcut:{self.stack[0].name}"
         if key not in ctx.shared:
