@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--convs2s-config", type=Path, default=CONFIGS / "convs2s-4l.yaml")
     p.add_argument("--transformer-layers", type=int, default=4, help="encoder and decoder layers")
     p.add_argument("--tiny", action="store_true", help="tiny models: checks that the script runs")
-    add_common_args(p, warmup=5, steps=40, rounds=4)
+    add_common_args(p, warmup=5, steps=40, rounds=4, heap_headroom_mb=2048)
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device), cfg.train)
 
     # 3. untimed warm-up, then alternating timed blocks over the same batches
-    seconds, losses, _ = timed_training(systems, warm, timed, args.rounds, device)
+    seconds, losses, _ = timed_training(systems, warm, timed, args.rounds, device, args.heap_headroom_mb)
     rounds = max(1, min(args.rounds, len(timed)))
     tokens = sum(b.num_tgt_tokens for b in timed)
 

@@ -9,8 +9,10 @@ decoder self-attention sub-layer; the same with ``feature_fusion: true``. They r
 collated batches with the same training step as ``throughput.py`` (its ``Optimiser``: label-smoothed loss,
 backward, clipping, Adam + inverse-sqrt step), interleaved batch by batch (A, B, C on batch 1, then on batch 2,
 ...) so that load from other processes hits all three alike. Two ratios are reported: of total times, and the
-median over batches of the per-batch ratio (robust to a burst of load during a few steps). ``--profile-steps N``
-adds each system's share of time in matrix products and its matmul FLOPs. The paper's cost (Emelin et al. 2019,
+median over batches of the per-batch ratio (robust to a burst of load during a few steps), and a bootstrap
+interval over batches for the first. On the CPU the heap is held at its steady state before timing
+(``--heap-headroom-mb``; page faults during the timed steps are reported). ``--profile-steps N`` adds each
+system's share of time in matrix products and its matmul FLOPs. The paper's cost (Emelin et al. 2019,
 Table 5, words/s on GPUs): shortcuts -11.0%, feature-fusion -20.5% relative to transformer-BASE; the target is
 to lose less than that.
 """
@@ -30,7 +32,7 @@ from nmtflow.models.base import Vocabularies, build_model, count_parameters
 from nmtflow.nn import shortcuts as shortcut_module
 from throughput import (  # the sibling benchmark's training step (same batches, same step)
     Optimiser, add_common_args, default_work, matmul_profile, median_step_ratio, peak_rss_mb, prepared_data,
-    timed_training, training_batches)
+    slowdown_interval, timed_training, training_batches)
 
 PAPER_WORDS_PER_S = {"baseline": 29_698, "shortcuts": 26_423, "feature_fusion": 23_601}  # Table 5, base
 SC = {"type": "shortcut"}
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="then profile this many steps per system (CPU): time in matrix products")
     p.add_argument("--elementwise-gate", action="store_true",
                    help="on CUDA, the gates in elementwise operators (as on the CPU) instead of one fused kernel")
-    add_common_args(p, warmup=3, steps=30, rounds=None)  # default: --steps rounds, interleaved batch by batch
+    add_common_args(p, warmup=3, steps=30, rounds=None,  # default: --steps rounds, interleaved batch by batch
+                    heap_headroom_mb=2048)  # three models of different sizes in one heap
     args = p.parse_args(argv)
     shortcut_module.USE_CUDA_KERNELS = not args.elementwise_gate
     args.rounds = args.rounds or args.steps
@@ -92,7 +95,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     systems = build_systems(args, vocab, device)
 
     # 3. untimed warm-up, then alternating timed blocks over the same batches
-    seconds, all_losses, steps = timed_training(systems, warm, timed, args.rounds, device)
+    faults: dict[str, int] = {}
+    seconds, all_losses, steps = timed_training(systems, warm, timed, args.rounds, device, args.heap_headroom_mb,
+                                                faults)
     losses = {name: values[-1] for name, values in all_losses.items()}
     rounds = max(1, min(args.rounds, len(timed)))
     tokens = sum(b.num_tgt_tokens for b in timed)
@@ -105,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "preset": args.preset, "layers": args.layers, "max_tokens": args.max_tokens,
                    "precision": args.precision, "elementwise_gate": args.elementwise_gate,
+                   "heap_headroom_mb": args.heap_headroom_mb if device.type == "cpu" else None,
                    "warmup_batches": len(warm), "timed_batches": len(timed), "rounds": rounds,
                    "timed_tgt_tokens": tokens, "seed": args.seed},
         "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -115,8 +121,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result[name] = {"parameters": count_parameters(opt.model), "train_tgt_tokens_per_s": speed,
                         "train_seconds": seconds[name], "train_loss_last": losses[name],
                         "speed_vs_baseline": speed / base_speed, "slowdown_pct": 100 * (1 - speed / base_speed),
+                        "slowdown_pct_ci95": list(slowdown_interval(steps, name, "baseline")),
                         "median_step_speed_vs_baseline": (median := median_step_ratio(steps, name, "baseline")),
-                        "median_step_slowdown_pct": 100 * (1 - median), "paper_slowdown_pct": 100 * (1 - paper)}
+                        "median_step_slowdown_pct": 100 * (1 - median), "paper_slowdown_pct": 100 * (1 - paper),
+                        "timed_page_faults": faults[name]}
     if args.profile_steps:  # after the timing: how much of the slowdown the extra matrix products explain
         profiled = {name: matmul_profile(opt, timed[:args.profile_steps]) for name, opt in systems.items()}
         base = profiled["baseline"]
@@ -129,12 +137,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
-    print(f"{'':16}{'parameters':>14}{'tgt tokens/s':>14}{'vs baseline':>13}{'slowdown':>10}"
-          f"{'median step':>13}{'paper':>8}")
+    print(f"{'':16}{'parameters':>14}{'tgt tokens/s':>14}{'vs baseline':>13}{'slowdown':>10}{'95% interval':>16}"
+          f"{'median step':>13}{'paper':>8}{'page faults':>13}")
     for name in systems:
         r = result[name]
+        low, high = r["slowdown_pct_ci95"]
         print(f"{name:16}{r['parameters']:>14,}{r['train_tgt_tokens_per_s']:>14,.1f}{r['speed_vs_baseline']:>13.3f}"
-              f"{r['slowdown_pct']:>9.1f}%{r['median_step_slowdown_pct']:>12.1f}%{r['paper_slowdown_pct']:>7.1f}%")
+              f"{r['slowdown_pct']:>9.1f}%{f'{low:.1f} to {high:.1f}%':>16}{r['median_step_slowdown_pct']:>12.1f}%"
+              f"{r['paper_slowdown_pct']:>7.1f}%{r['timed_page_faults']:>13,}")
     for name in systems:
         if "profile" in result[name]:
             r = result[name]["profile"]

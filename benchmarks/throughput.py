@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import random
 import resource
 import statistics
 import sys
@@ -38,7 +39,7 @@ from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies, build_model, \
     count_parameters
 from nmtflow.nn.layers import SinusoidalPositions
-from nmtflow.runtime import autocast, keep_freed_memory, use_precision
+from nmtflow.runtime import autocast, hold_heap, keep_freed_memory, use_precision
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
@@ -150,7 +151,8 @@ def decode_batch(model: EncoderDecoder, src: Tensor, args: argparse.Namespace) -
 DEFAULT_VOCAB = 8000  # --vocab-size
 
 
-def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, rounds: int | None) -> None:
+def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, rounds: int | None,
+                    heap_headroom_mb: int = 0) -> None:
     """The options every same-batches training benchmark takes (data, batches, timing, device)."""
     p.add_argument("--src", default="en")
     p.add_argument("--tgt", default="de")
@@ -164,6 +166,10 @@ def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, roun
     p.add_argument("--precision", default="fp32", choices=[x for x in PRECISIONS if x != "fp16"],  # no GradScaler
                    help="train.precision of every system: tf32 matmuls (CUDA) or bf16 autocast")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--heap-headroom-mb", type=int, default=heap_headroom_mb,
+                   help="CPU: after the warm-up, stop heap trimming and pre-fault this much heap above its top, so "
+                        "that timed steps do not page-fault (nmtflow.runtime.hold_heap; it adds to the peak RSS); "
+                        "0: only stop trimming; -1: leave the heap as it is")
 
 
 def default_work(args: argparse.Namespace, name: str = "bench-data") -> Path:
@@ -199,27 +205,44 @@ def training_batches(work: Path, args: argparse.Namespace, count: int, device: t
 
 
 def timed_training(systems: dict[str, Optimiser], warm: list[Batch], timed: list[Batch], rounds: int,
-                   device: torch.device) -> tuple[dict[str, float], dict[str, list[float]], dict[str, list[float]]]:
+                   device: torch.device, heap_headroom_mb: int = 0,
+                   faults: dict[str, int] | None = None,
+                   ) -> tuple[dict[str, float], dict[str, list[float]], dict[str, list[float]]]:
     """Untimed warm-up, then alternating timed blocks over the same batches → (seconds, losses, step seconds).
 
-    Step seconds are per system in the order of ``timed``: entry i of every system is the same batch.
+    Step seconds are per system in the order of ``timed``: entry i of every system is the same batch. On the
+    CPU the heap is then held at its steady state with ``heap_headroom_mb`` MB pre-faulted (a negative value
+    leaves it as it is; :func:`nmtflow.runtime.hold_heap`), so that a step that grows the heap does not pay
+    for page faults that a long training run pays once; ``faults``, if given,
+    receives each system's minor page faults during its timed steps.
     """
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for opt in systems.values():
         for b in warm:
             opt.step(b)
+    if device.type == "cpu" and heap_headroom_mb >= 0:
+        hold_heap(heap_headroom_mb << 20)
     losses: dict[str, list[float]] = {name: [] for name in systems}
     steps: dict[str, list[float]] = {name: [] for name in systems}
+    counted = faults if faults is not None else {}
+    counted.update({name: 0 for name in systems})
     rounds = max(1, min(rounds, len(timed)))
     for i in range(rounds):
         block = timed[i * len(timed) // rounds:(i + 1) * len(timed) // rounds]
         for name, opt in systems.items():
             for b in block:
                 sync()
+                before = minor_faults()
                 start = time.perf_counter()
                 losses[name].append(opt.step(b))  # .item() inside: the step has finished
                 steps[name].append(time.perf_counter() - start)
+                counted[name] += minor_faults() - before
     return {name: sum(t) for name, t in steps.items()}, losses, steps
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (pages the kernel had to map on first touch)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm")
@@ -247,6 +270,26 @@ def matmul_profile(opt: Optimiser, batches: list[Batch]) -> dict[str, float]:
     flops = sum(n for op, n in counter.get_flop_counts()["Global"].items() if str(op).split(".")[1] in MATMUL_OPS)
     return {"profiled_seconds": total, "matmul_seconds": matmul, "matmul_share": matmul / total,
             "matmul_flops": flops}
+
+
+def slowdown_interval(steps: dict[str, list[float]], system: str, reference: str, level: float = 0.95,
+                      resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap interval (in %) for ``system``'s slowdown against ``reference`` on total time.
+
+    Batches are resampled with replacement, each keeping its pair of step times (both systems ran it moments
+    apart), and the slowdown ``100 (1 − Σ reference / Σ system)`` is recomputed per resample; the interval holds
+    the central ``level`` of those values. It measures how much the figure depends on which batches were timed
+    (including load from other processes during some of them), not drift between separate runs.
+    """
+    pairs = list(zip(steps[reference], steps[system]))
+    rng = random.Random(seed)
+    values = []
+    for _ in range(resamples):
+        sample = rng.choices(pairs, k=len(pairs))
+        values.append(100 * (1 - sum(r for r, _ in sample) / sum(s for _, s in sample)))
+    values.sort()
+    tail = (1 - level) / 2
+    return values[int(tail * (resamples - 1))], values[int((1 - tail) * (resamples - 1))]
 
 
 def median_step_ratio(steps: dict[str, list[float]], system: str, reference: str) -> float:
@@ -305,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rss["after_build"] = peak_rss_mb()
 
     # 3. training throughput: untimed warm-up, then alternating timed blocks over the same batches
-    seconds, losses, _ = timed_training(systems, warm, timed, args.rounds, device)
+    seconds, losses, _ = timed_training(systems, warm, timed, args.rounds, device, args.heap_headroom_mb)
     rounds = max(1, min(args.rounds, len(timed)))
     timed_tokens = sum(b.num_tgt_tokens for b in timed)
     rss["after_train"] = peak_rss_mb()

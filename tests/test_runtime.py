@@ -24,6 +24,23 @@ def test_applied_once_on_linux_and_opt_out() -> None:
     assert run(code, NMTFLOW_SYSTEM_MALLOC="1") == "False False"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt is Linux-only")
+def test_held_heap_grows_without_page_faults() -> None:
+    def faults(setup: str, **env: str) -> tuple[str, int]:
+        code = ("import resource, torch; from nmtflow import runtime as r; "
+                f"ok = {setup}; n = resource.getrusage(resource.RUSAGE_SELF).ru_minflt; "
+                "kept = [torch.ones(64 << 20, dtype=torch.uint8) for _ in range(3)]; "  # 192 MB of new heap
+                "print(ok, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - n)")
+        ok, count = run(code, **env).split()
+        return ok, int(count)
+
+    ok, held = faults("r.hold_heap(256 << 20)")  # 256 MB touched once above the heap top, then freed
+    assert ok == "True"
+    ok, grown = faults("r.keep_freed_memory()")  # the same growth onto fresh pages
+    assert ok == "True" and grown > 0 and held * 10 <= grown, (held, grown)
+    assert faults("r.hold_heap(0)", NMTFLOW_SYSTEM_MALLOC="1")[0] == "False"  # opted out: malloc left alone
+
+
 def test_result_is_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "_applied", None)
     monkeypatch.setenv(runtime.OPT_OUT, "1")
