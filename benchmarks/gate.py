@@ -72,17 +72,17 @@ def main(argv: list[str] | None = None) -> dict:
             step()
             seconds[name].append(time.perf_counter() - start)
     ms = {name: 1e3 * statistics.median(t) for name, t in seconds.items()}
-    floor_mb = 12 * n * d * 4 / 2 ** 20
+    floor_mib = 12 * n * d * 4 / 2 ** 20
     result = {"config": {"tokens": n, "d_model": d, "threads": torch.get_num_threads(), "repeats": args.repeats,
                          "torch": torch.__version__},
-              "median_ms": ms, "least_traffic_mb": floor_mb,
-              "copy_gb_per_s": floor_mb / 1024 / (ms["copy_of_least_traffic"] / 1e3),
+              "median_ms": ms, "least_traffic_mib": floor_mib,
+              "copy_gib_per_s": floor_mib / 1024 / (ms["copy_of_least_traffic"] / 1e3),
               "gate_vs_least_traffic": {name: value / ms["copy_of_least_traffic"] for name, value in ms.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     for name, value in ms.items():
         print(f"{name:24}{value:8.2f} ms")
-    print(f"least traffic {floor_mb:.0f} MB, copied at {result['copy_gb_per_s']:.1f} GB/s; written to {args.out}")
+    print(f"least traffic {floor_mib:.0f} MiB, copied at {result['copy_gib_per_s']:.1f} GiB/s; written to {args.out}")
     return result
 
 

@@ -191,15 +191,17 @@ def _gate_backward(grads: tuple[Tensor, Tensor], r: Tensor, diff: Tensor) -> tup
     """dK', dV' (N,D) → dy (N,2,2,D): [k|v] × [dX_sc | dX], and db (2,D).
 
     With p = g (X_sc − X) r (1 − r), the gradient of the gate's pre-activation:
-    dX_sc = g r + p, dX = g (1 − r) + p, db = Σ_N p.
+    dX_sc = g r + p, dX = g (1 − r) + p = g − dX_sc + 2p, db = Σ_N p: five element-wise operators and a sum
+    per half (``sigmoid_backward`` multiplies by r (1 − r) in one pass); the CPU gate is bound by memory
+    traffic (``benchmarks/gate.py``).
     """
     dy = r.new_empty(r.size(1), 2, 2, r.size(2))
     db = r.new_empty(2, r.size(-1))
     for i, g in enumerate(grads):  # keys, then values
-        p = torch.mul(g, diff[i]).mul_(torch.addcmul(r[i], r[i], r[i], value=-1))
-        gr = torch.mul(g, r[i])
-        torch.add(gr, p, out=dy[:, i, 0])
-        torch.sub(g, gr, out=dy[:, i, 1]).add_(p)
+        p = torch.mul(g, diff[i])
+        torch.ops.aten.sigmoid_backward.grad_input(p, r[i], grad_input=p)  # in place: p *= r (1 − r)
+        d_shortcut = torch.addcmul(p, g, r[i], out=dy[:, i, 0])
+        torch.sub(g, d_shortcut, out=dy[:, i, 1]).add_(p, alpha=2)
         torch.sum(p, 0, out=db[i])
     return dy, db
 
