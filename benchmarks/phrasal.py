@@ -31,10 +31,10 @@ from nmtflow.data.bitext import open_bitext
 from nmtflow.decode.search import max_output_lengths
 from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
-from nmtflow.runtime import hold_heap
 from nmtflow.train.loss import label_smoothed_nll
 from throughput import (  # the sibling benchmark's step, search and RSS
-    Optimiser, add_common_args, decode_batch, default_work, peak_rss_mb, prepared_data, training_batches)
+    Optimiser, add_common_args, decode_batch, default_work, peak_rss_mb, prepared_data, steady_heap,
+    training_batches)
 
 
 def slots(ngrams: list[int] | None) -> dict[str, Any]:
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for opt in systems.values():
         for b in warm:
             opt.step(b)
-    if device.type == "cpu" and args.heap_headroom_mb >= 0:
-        hold_heap(args.heap_headroom_mb << 20)  # the heap's steady state (as timed_training does)
+    steady_heap(device, args.heap_headroom_mb)  # as timed_training does
     seconds = dict.fromkeys(systems, 0.0)
     cuda_peak: dict[str, float] = {}
     rounds = max(1, min(args.rounds, len(timed)))

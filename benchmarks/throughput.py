@@ -220,8 +220,7 @@ def timed_training(systems: dict[str, Optimiser], warm: list[Batch], timed: list
     for opt in systems.values():
         for b in warm:
             opt.step(b)
-    if device.type == "cpu" and heap_headroom_mb >= 0:
-        hold_heap(heap_headroom_mb << 20)
+    steady_heap(device, heap_headroom_mb)
     losses: dict[str, list[float]] = {name: [] for name in systems}
     steps: dict[str, list[float]] = {name: [] for name in systems}
     counted = faults if faults is not None else {}
@@ -238,6 +237,13 @@ def timed_training(systems: dict[str, Optimiser], warm: list[Batch], timed: list
                 steps[name].append(time.perf_counter() - start)
                 counted[name] += minor_faults() - before
     return {name: sum(t) for name, t in steps.items()}, losses, steps
+
+
+def steady_heap(device: torch.device, headroom_mb: int) -> None:
+    """Before timing on the CPU: :func:`nmtflow.runtime.hold_heap` with ``headroom_mb`` MB (``--heap-headroom-mb``;
+    negative: leave the heap as it is)."""
+    if device.type == "cpu" and headroom_mb >= 0:
+        hold_heap(headroom_mb << 20)
 
 
 def minor_faults() -> int:
