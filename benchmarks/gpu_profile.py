@@ -5,15 +5,17 @@ Usage (see benchmarks/README.md)::
     python benchmarks/gpu_profile.py --data data/multi30k --preset base --precision tf32 \
         --out benchmarks/results/gpu-profile.json
 
-Builds the systems of ``shortcuts.py`` (baseline, shortcuts, feature-fusion), trains each on the same batches
-with the same step, then times ``--steps`` steps unprofiled (wall) and profiles the same steps again (CUDA
-kernel time and kernel count). When the kernel time is well below the wall time the GPU waits for the host
-between kernels: the step is bound by how many operators it launches, not by their arithmetic.
+Builds the systems of ``shortcuts.py`` (baseline, shortcuts, feature-fusion), trains them on the same batches
+with the same step, interleaved batch by batch, and takes the median wall time of ``--steps`` steps
+(unprofiled); then profiles the same steps again per system (CUDA kernel time and kernel count, and which
+kernels add GPU time against the baseline). When the kernel time is well below the wall time the GPU waits
+for the host between kernels: the step is bound by how many operators it launches, not by their arithmetic.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -25,24 +27,53 @@ from shortcuts import SYSTEMS, add_system_args, build_systems
 from throughput import Optimiser, add_common_args, default_work, prepared_data, training_batches
 
 
-def step_profile(opt: Optimiser, batches: list, top: int) -> dict[str, Any]:
-    """Wall ms per step (unprofiled), then kernel ms and kernels per step (profiled) over the same batches."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for b in batches:
-        opt.step(b)
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / len(batches)
+def kernel_times(opt: Optimiser, batches: list) -> dict[str, list[float]]:
+    """Profile ``opt`` over ``batches``: per kernel name, [ms per step, launches per step].
+
+    Only kernels, copies and memsets: the GPU-side spans of annotated regions (``Optimizer.step#Adam.step``)
+    also come with CUDA as their device and would count their kernels twice.
+    """
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for b in batches:
             opt.step(b)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    kernel_s = sum(e.self_device_time_total for e in kernels) / 1e6 / len(batches)
-    heaviest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
-    return {"wall_ms_per_step": 1e3 * wall, "kernel_ms_per_step": 1e3 * kernel_s,
-            "kernels_per_step": sum(e.count for e in kernels) / len(batches), "gpu_busy_share": kernel_s / wall,
-            "top_kernels_ms_per_step": {e.key[:80]: e.self_device_time_total / 1e3 / len(batches) for e in heaviest}}
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False):
+            row = kernels.setdefault(e.name, [0.0, 0.0])
+            row[0] += e.device_time / 1e3 / len(batches)
+            row[1] += 1 / len(batches)
+    return kernels
+
+
+def interleaved_wall(systems: dict[str, Optimiser], batches: list) -> dict[str, float]:
+    """Median wall ms per step of each system, trained batch by batch in turn (A, B, C on batch 1, ...)."""
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for b in batches:
+        for name, opt in systems.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            opt.step(b)
+            torch.cuda.synchronize()
+            times[name].append(1e3 * (time.perf_counter() - start))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def summary(wall_ms: float, kernels: dict[str, list[float]], top: int,
+            baseline: dict[str, list[float]] | None) -> dict[str, Any]:
+    kernel_ms = sum(ms for ms, _ in kernels.values())
+    out: dict[str, Any] = {
+        "wall_ms_per_step": wall_ms, "kernel_ms_per_step": kernel_ms,
+        "kernels_per_step": sum(n for _, n in kernels.values()), "gpu_busy_share": kernel_ms / wall_ms,
+        "top_kernels_ms_per_step": {k[:80]: round(v[0], 4) for k, v in
+                                    sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]}}
+    if baseline is not None:  # where the extra GPU time goes: kernel names by their added ms per step
+        names = set(kernels) | set(baseline)
+        extra = {k: kernels.get(k, [0.0, 0.0])[0] - baseline.get(k, [0.0, 0.0])[0] for k in names}
+        out["kernel_ms_vs_baseline"] = kernel_ms - sum(ms for ms, _ in baseline.values())
+        out["top_extra_kernels_ms_per_step"] = {k[:80]: round(v, 4) for k, v in
+                                                sorted(extra.items(), key=lambda kv: -kv[1])[:top]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -61,10 +92,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"config": {"preset": args.preset, "layers": args.layers, "precision": args.precision,
                                          "max_tokens": args.max_tokens, "vocab_size": vocab, "steps": args.steps,
                                          "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}}
-    for name, opt in build_systems(args, vocab, device).items():
-        for b in batches[:args.warmup]:
+    systems = build_systems(args, vocab, device)
+    for b in batches[:args.warmup]:
+        for opt in systems.values():
             opt.step(b)
-        result[name] = step_profile(opt, batches[args.warmup:], args.top)
+    wall = interleaved_wall(systems, batches[args.warmup:])
+    kernels = {name: kernel_times(opt, batches[args.warmup:]) for name, opt in systems.items()}
+    for name in SYSTEMS:
+        result[name] = summary(wall[name], kernels[name], args.top, None if name == "baseline" else kernels["baseline"])
     for name in SYSTEMS:
         r = result[name]
         print(f"{name:16} wall {r['wall_ms_per_step']:7.1f} ms/step  kernels {r['kernel_ms_per_step']:7.1f} ms/step "

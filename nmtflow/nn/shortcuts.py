@@ -208,10 +208,16 @@ def _gate_backward(grads: tuple[Tensor, Tensor], r: Tensor, diff: Tensor) -> tup
 
 # On CUDA each direction is one elementwise kernel over keys and values together (compiled at first use by
 # PyTorch's jiterator), computed in float32 whatever the storage type; the backward recomputes r from X_sc, X
-# instead of saving r and X_sc − X. A step there is bound by kernel launches (benchmarks/README.md).
+# instead of saving r and X_sc − X, and takes dK', dV' as they come (a ``key`` flag along the [k|v] axis picks
+# one), so no stacked copy of them is made. A step there is bound by kernel launches (benchmarks/README.md).
 _CUDA_GATE = """
 template <typename T> float shortcut_gate_r(T sc, T h, T b) {
   return 1.0f / (1.0f + expf(-(static_cast<float>(sc) + static_cast<float>(h) + static_cast<float>(b))));
+}
+template <typename T> float shortcut_gate_p(T gk, T gv, T key, T sc, T h, T b, float& g, float& r) {
+  r = shortcut_gate_r(sc, h, b);
+  g = static_cast<float>(key) > 0.5f ? static_cast<float>(gk) : static_cast<float>(gv);
+  return g * (static_cast<float>(sc) - static_cast<float>(h)) * r * (1.0f - r);
 }
 """
 _CUDA_FORWARD = _CUDA_GATE + """
@@ -220,19 +226,27 @@ template <typename T> T shortcut_gate(T sc, T h, T b) {
   return static_cast<T>(x + r * (static_cast<float>(sc) - x));
 }
 """
-# (g, X_sc, X, b, first) → (dX_sc where first else dX, p where first else 0): ``first`` runs along the
-# [shortcut | hidden] axis of dy (N,2,2,D), which comes out whole; Σ p is db.
-_CUDA_BACKWARD = _CUDA_GATE + """
-template <typename T> void shortcut_gate_backward(T g, T sc, T h, T b, T first, T& d, T& p) {
-  float r = shortcut_gate_r(sc, h, b), gf = static_cast<float>(g);
-  float q = gf * (static_cast<float>(sc) - static_cast<float>(h)) * r * (1.0f - r);
+# PairGate, over (N,2,D): (dK', dV', key, X_sc, X, b) → (dX_sc, dX, p), each contiguous; Σ_N p is db.
+_CUDA_PAIR_BACKWARD = _CUDA_GATE + """
+template <typename T> void shortcut_pair_gate_backward(T gk, T gv, T key, T sc, T h, T b, T& dsc, T& dh, T& p) {
+  float g, r, q = shortcut_gate_p(gk, gv, key, sc, h, b, g, r);
+  dsc = static_cast<T>(g * r + q);
+  dh = static_cast<T>(g * (1.0f - r) + q);
+  p = static_cast<T>(q);
+}
+"""
+# FusedGate, over dy's (N,2,2,D): (..., first) → (dX_sc where first else dX, p where first else 0): ``first``
+# runs along the [shortcut | hidden] axis of dy, which comes out whole as the fusion GEMM needs it.
+_CUDA_FUSED_BACKWARD = _CUDA_GATE + """
+template <typename T> void shortcut_fused_gate_backward(T gk, T gv, T key, T sc, T h, T b, T first, T& d, T& p) {
+  float g, r, q = shortcut_gate_p(gk, gv, key, sc, h, b, g, r);
   bool is_shortcut = static_cast<float>(first) > 0.5f;
-  d = static_cast<T>(is_shortcut ? gf * r + q : gf * (1.0f - r) + q);
+  d = static_cast<T>(is_shortcut ? g * r + q : g * (1.0f - r) + q);
   p = static_cast<T>(is_shortcut ? q : 0.0f);
 }
 """
-_cuda_kernels: tuple[Any, Any] | None = None
-_first_flags: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # [1, 0] (1,1,2,1) per dtype and device
+_cuda_kernels: tuple[Any, Any, Any] | None = None
+_flags: dict[tuple[torch.dtype, torch.device, tuple[int, ...]], Tensor] = {}  # [1, 0] in a broadcast shape
 USE_CUDA_KERNELS = True  # False: the same elementwise operators as on the CPU
 
 
@@ -240,28 +254,37 @@ def _use_cuda_kernels(x: Tensor) -> bool:
     return x.is_cuda and USE_CUDA_KERNELS
 
 
-def _cuda_gate_kernels() -> tuple[Any, Any]:
-    """The jiterator kernels (forward, backward), created once."""
+def _cuda_gate_kernels() -> tuple[Any, Any, Any]:
+    """The jiterator kernels (forward, PairGate backward, FusedGate backward), created once."""
     global _cuda_kernels
     if _cuda_kernels is None:
         from torch.cuda import jiterator
         _cuda_kernels = (jiterator._create_jit_fn(_CUDA_FORWARD),
-                         jiterator._create_multi_output_jit_fn(_CUDA_BACKWARD, num_outputs=2))
+                         jiterator._create_multi_output_jit_fn(_CUDA_PAIR_BACKWARD, num_outputs=3),
+                         jiterator._create_multi_output_jit_fn(_CUDA_FUSED_BACKWARD, num_outputs=2))
     return _cuda_kernels
 
 
-def _cuda_gate_backward(grads: tuple[Tensor, Tensor], shortcut: Tensor, hidden: Tensor,
-                        bias: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`_gate_backward` on CUDA from the saved X_sc, X (N,2,D): a stack, one kernel and a sum."""
-    grad = torch.stack(grads, dim=1)  # (N,2,D)
-    n, _, d = grad.shape
-    shape = (n, 2, 2, d)
-    key = (grad.dtype, grad.device)
-    if key not in _first_flags:  # made once: no host-to-device copy per step
-        _first_flags[key] = torch.tensor([1.0, 0.0], dtype=grad.dtype, device=grad.device).view(1, 1, 2, 1)
-    first = _first_flags[key].expand(shape)
-    dy, p = _cuda_gate_kernels()[1](*(x.unsqueeze(2).expand(shape) for x in (grad, shortcut, hidden)),
-                                    bias[:, None].expand(shape), first)
+def _flag(like: Tensor, *shape: int) -> Tensor:
+    """[1, 0] viewed as ``shape`` (one dimension of 2), made once per dtype, device and shape: no copy per step."""
+    key = (like.dtype, like.device, shape)
+    if key not in _flags:
+        _flags[key] = torch.tensor([1.0, 0.0], dtype=like.dtype, device=like.device).view(shape)
+    return _flags[key]
+
+
+def _cuda_pair_backward(dk: Tensor, dv: Tensor, shortcut: Tensor, hidden: Tensor,
+                        bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_gate_backward` for :class:`PairGate` on CUDA from the saved X_sc, X (N,2,D): one kernel, a sum."""
+    d_shortcut, d_hidden, p = _cuda_gate_kernels()[1](dk[:, None], dv[:, None], _flag(dk, 1, 2, 1),
+                                                      shortcut, hidden, bias)
+    return d_shortcut, d_hidden, p.sum(0)
+
+
+def _cuda_fused_backward(dk: Tensor, dv: Tensor, y: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`_gate_backward` for :class:`FusedGate` on CUDA from the saved y (N,2,2,D): one kernel, a sum."""
+    dy, p = _cuda_gate_kernels()[2](dk[:, None, None], dv[:, None, None], _flag(dk, 1, 2, 1, 1),
+                                    y[:, :, :1], y[:, :, 1:], bias[:, None], _flag(dk, 1, 1, 2, 1))
     return dy, p.sum((0, 2))
 
 
@@ -293,8 +316,7 @@ class FusedGate(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
         if ctx.cuda:
-            y, bias = ctx.saved_tensors
-            return _cuda_gate_backward((dk, dv), y[:, :, 0], y[:, :, 1], bias)
+            return _cuda_fused_backward(dk, dv, *ctx.saved_tensors)
         return _gate_backward((dk, dv), *ctx.saved_tensors)
 
 
@@ -310,8 +332,9 @@ class PairGate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        dy, db = (_cuda_gate_backward((dk, dv), *ctx.saved_tensors) if ctx.cuda
-                  else _gate_backward((dk, dv), *ctx.saved_tensors))
+        if ctx.cuda:
+            return _cuda_pair_backward(dk, dv, *ctx.saved_tensors)
+        dy, db = _gate_backward((dk, dv), *ctx.saved_tensors)
         return dy[:, :, 0], dy[:, :, 1], db
 
 

@@ -160,24 +160,34 @@ def test_fused_gate_gradients_equal_autograd_through_the_equations(fusion: bool)
 
 
 def _reference_kernels() -> tuple:
-    """The CUDA gate kernels' elementwise math in torch, to run their host-side code on the CPU."""
+    """The CUDA gate kernels' elementwise math in torch (with jiterator's broadcasting), to run their host-side
+    code on the CPU."""
     def forward(sc: torch.Tensor, h: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return h + torch.sigmoid(sc + h + b) * (sc - h)
 
-    def backward(g: torch.Tensor, sc: torch.Tensor, h: torch.Tensor, b: torch.Tensor,
-                 first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def terms(gk: torch.Tensor, gv: torch.Tensor, key: torch.Tensor, sc: torch.Tensor, h: torch.Tensor,
+              b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         r = torch.sigmoid(sc + h + b)
-        q = g * (sc - h) * r * (1 - r)
-        is_shortcut = first > 0.5
+        g = torch.where(key > 0.5, gk, gv)
+        return g, r, g * (sc - h) * r * (1 - r)
+
+    def pair_backward(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g, r, q = terms(*inputs)
+        return g * r + q, g * (1 - r) + q, q
+
+    def fused_backward(*inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g, r, q = terms(*inputs[:-1])
+        is_shortcut = inputs[-1] > 0.5
         return torch.where(is_shortcut, g * r + q, g * (1 - r) + q), torch.where(is_shortcut, q, 0 * q)
 
-    return forward, backward
+    return forward, pair_backward, fused_backward
 
 
 @pytest.mark.parametrize("fusion", [False, True])
 def test_cuda_gate_path_gives_the_cpu_gradients(fusion: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA gate's host side (one kernel each way, K'/V' as views of one output, dy assembled by the
-    ``first`` flag, db = Σ p) with the kernels' math in torch: the same values and gradients as the CPU path."""
+    """The CUDA gate's host side (one kernel each way, K'/V' as views of one output, dK'/dV' picked by the
+    ``key`` flag, fusion's dy assembled by the ``first`` flag, db = Σ p) with the kernels' math in torch: the
+    same values and gradients as the CPU path."""
     from nmtflow.nn import shortcuts
 
     torch.manual_seed(0)
