@@ -27,6 +27,10 @@ Choices where the paper and SPEC are silent:
   like ordinary keys/values (``state[name + ".k"/".v"]``) and the new positions' ``E`` arrives in ``ctx``.
   Keeping the prefix embeddings themselves in the cache would only recompute the same ``K'``/``V'``.
 
+Parameters are stored stacked, keys' rows above values': ``kv_proj`` [W_k ; W_v], ``kv_shortcut``
+[W_ksc ; W_vsc], ``kv_fusion`` [W_k ; W_v] (2d×2d each) and ``kv_gate_bias`` [b_k ; b_v]; each block is
+initialised as its own map, and checkpoints with separate ``k_*``/``v_*`` parameters still load.
+
 Speed: keys and values go through one GEMM per input (one for ``[E ; H]`` under fusion) and one fused gate
 (:class:`PairGate`, :class:`FusedGate`) over both: a single autograd node with a hand-written backward that
 writes the GEMM-output gradient whole, where autograd through slices, sums, a sigmoid and a blend would
@@ -83,15 +87,15 @@ class ShortcutAttention(MultiHeadAttention):
             raise ConfigError(f"{name}: non-lexical shortcuts need the layer inputs of a self-attention stack; "
                               "decoder-to-encoder shortcuts take the source embeddings (source: lexical)")
         d = d_model
-        if options.feature_fusion:
-            del self.k_proj, self.v_proj  # W_k, W_v become 2d×2d maps of [E ; H]
-            self.k_fusion = nn.Linear(2 * d, 2 * d, bias=False)  # rows: [K_sc ; K]
-            self.v_fusion = nn.Linear(2 * d, 2 * d, bias=False)  # rows: [V_sc ; V]
+        # Keys and values are one map each of H and E (one of [E ; H] under fusion), stored stacked as one
+        # parameter: no concatenation of weights per forward pass, fewer autograd nodes and parameters.
+        del self.k_proj, self.v_proj
+        if options.feature_fusion:  # W_k, W_v become 2d×2d maps of [E ; H]
+            self.kv_fusion = nn.Linear(2 * d, 4 * d, bias=False)  # rows [W_k ; W_v] = [K_sc ; K ; V_sc ; V]
         else:
-            self.k_shortcut = nn.Linear(d, d, bias=False)  # W_ksc
-            self.v_shortcut = nn.Linear(d, d, bias=False)  # W_vsc
-        self.k_gate_bias = nn.Parameter(torch.zeros(d))  # b_k
-        self.v_gate_bias = nn.Parameter(torch.zeros(d))  # b_v
+            self.kv_proj = nn.Linear(d, 2 * d, bias=False)  # rows [W_k ; W_v]
+            self.kv_shortcut = nn.Linear(d, 2 * d, bias=False)  # rows [W_ksc ; W_vsc]
+        self.kv_gate_bias = nn.Parameter(torch.zeros(2, d))  # rows [b_k ; b_v]
         self.record_gates = False
         self.gates: dict[str, Tensor] = {}
         self.gate_stats: dict[str, Tensor] = {}
@@ -107,29 +111,41 @@ class ShortcutAttention(MultiHeadAttention):
 
     def reset_parameters(self) -> None:
         nn.init.xavier_uniform_(self.out_proj.weight)
-        for name in ("q_proj", "k_proj", "v_proj", "k_shortcut", "v_shortcut", "k_fusion", "v_fusion"):
-            proj = getattr(self, name, None)  # absent while the base class initialises, or under fusion
-            if proj is not None:
-                nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
-        for name in ("k_gate_bias", "v_gate_bias"):
-            bias = getattr(self, name, None)
-            if bias is not None:
-                nn.init.zeros_(bias)
+        for name in ("q_proj", "k_proj", "v_proj", "kv_proj", "kv_shortcut", "kv_fusion"):
+            proj = getattr(self, name, None)  # absent while the base class initialises, or by variant
+            if proj is not None:  # each stacked map (square blocks of rows) on its own, as W_k, W_ksc, ...
+                for block in proj.weight.data.split(proj.weight.size(1)):
+                    nn.init.xavier_uniform_(block, gain=1 / math.sqrt(2))
+        bias = getattr(self, "kv_gate_bias", None)
+        if bias is not None:
+            nn.init.zeros_(bias)
+
+    # checkpoints written before keys and values were stacked: (old names) → new name, joined along dim 0
+    _UNSTACKED = {"kv_proj.weight": ("k_proj.weight", "v_proj.weight"),
+                  "kv_shortcut.weight": ("k_shortcut.weight", "v_shortcut.weight"),
+                  "kv_fusion.weight": ("k_fusion.weight", "v_fusion.weight"),
+                  "kv_gate_bias": ("k_gate_bias", "v_gate_bias")}
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Accept checkpoints with the keys and values' maps as separate parameters (``k_shortcut``, ...)."""
+        for new, old in self._UNSTACKED.items():
+            if all(prefix + o in state_dict for o in old) and prefix + new not in state_dict:
+                parts = [state_dict.pop(prefix + o) for o in old]
+                state_dict[prefix + new] = torch.cat(parts) if parts[0].dim() == 2 else torch.stack(parts)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     # ---- the seam ------------------------------------------------------------------------------------
     def project_kv(self, source: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
         """source H (B,S,D), shortcut input from ``ctx`` (B,S,D) → K', V' (B,H,S,Dh) (Eq. 9-12)."""
         b, s, d = source.shape
         e = self.shortcut_input(source, ctx)
-        bias = torch.stack([self.k_gate_bias, self.v_gate_bias])  # (2,D): [b_k ; b_v]
+        bias = self.kv_gate_bias  # (2,D): [b_k ; b_v]
         if self.options.feature_fusion:  # one GEMM: rows [K_sc; K; V_sc; V] of W [E ; H] (Eq. 13-14)
-            w = torch.cat([self.k_fusion.weight, self.v_fusion.weight])  # (4D,2D)
-            y = F.linear(torch.cat([e, source], dim=-1), w).view(b * s, 2, 2, d)  # [k|v] × [shortcut|hidden]
+            y = self.kv_fusion(torch.cat([e, source], dim=-1)).view(b * s, 2, 2, d)  # [k|v] × [shortcut|hidden]
             shortcut, hidden = y[:, :, 0], y[:, :, 1]
             kv = FusedGate.apply(y, bias.to(y.dtype))  # K', V' (N,D) each
         else:  # Eq. 5-8: [K_sc; V_sc] = W_sc E, [K; V] = W H
-            w = torch.cat([self.k_proj.weight, self.v_proj.weight])  # (2D,D)
-            shortcut, hidden = self.project_shortcut(e, ctx), F.linear(source, w).view(b * s, 2, d)
+            shortcut, hidden = self.project_shortcut(e, ctx), self.kv_proj(source).view(b * s, 2, d)
             kv = PairGate.apply(shortcut, hidden, bias.to(hidden.dtype))
         if self.record_gates or ctx.need_weights:
             with torch.no_grad():
@@ -145,10 +161,10 @@ class ShortcutAttention(MultiHeadAttention):
         """
         b, s, d = e.shape
         if not self.stack:  # not linked to a stack
-            return F.linear(e, torch.cat([self.k_shortcut.weight, self.v_shortcut.weight])).view(b * s, 2, d)
+            return self.kv_shortcut(e).view(b * s, 2, d)
         key = f"shortcut:{self.stack[0].name}"
         if key not in ctx.shared:
-            w = torch.cat([w for m in self.stack for w in (m.k_shortcut.weight, m.v_shortcut.weight)])  # (2LD,D)
+            w = torch.cat([m.kv_shortcut.weight for m in self.stack])  # (2LD,D)
             ctx.shared[key] = StackedLinear.apply(e.reshape(b * s, d), w, len(self.stack))
         return ctx.shared[key][self.stack.index(self)]
 

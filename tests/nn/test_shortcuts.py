@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -92,8 +93,43 @@ def test_every_preset_adds_s_times_the_per_sublayer_delta(config: str, sublayers
 def test_feature_fusion_replaces_the_standard_key_value_maps() -> None:
     attn = ShortcutAttention(32, 4, options=ShortcutOptions(feature_fusion=True))
     names = {n for n, _ in attn.named_parameters()}
-    assert names == {"q_proj.weight", "out_proj.weight", "k_fusion.weight", "v_fusion.weight",
-                     "k_gate_bias", "v_gate_bias"}
+    assert names == {"q_proj.weight", "out_proj.weight", "kv_fusion.weight", "kv_gate_bias"}
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_stacked_maps_are_initialised_block_by_block(fusion: bool) -> None:
+    """[W_k ; W_v], [W_ksc ; W_vsc] and fusion's [W_k ; W_v] are stored stacked but drawn like separate maps:
+    Xavier-uniform over each square block (bound gain·sqrt(6 / (2·cols))), not over the stacked matrix."""
+    torch.manual_seed(0)
+    attn = ShortcutAttention(64, 4, options=ShortcutOptions(feature_fusion=fusion))
+    names = ["kv_fusion"] if fusion else ["kv_proj", "kv_shortcut"]
+    for name in names:
+        weight = getattr(attn, name).weight.detach()
+        bound = math.sqrt(6 / (2 * weight.size(1))) / math.sqrt(2)
+        for block in weight.split(weight.size(1)):
+            assert 0.95 * bound < block.abs().max() <= bound, name
+    assert not attn.kv_gate_bias.any()
+
+
+@pytest.mark.parametrize("variant", ["lexical", "fusion+cross"])
+def test_checkpoints_with_separate_key_value_maps_still_load(variant: str) -> None:
+    """A state dict written when W_k/W_v, W_ksc/W_vsc, the fusion maps and b_k/b_v were separate parameters
+    loads (strictly) into the stacked parameters and gives the same outputs."""
+    model, fresh = make(variant, seed=0), make(variant, seed=1)
+    old = {}
+    for key, value in model.state_dict().items():
+        module, _, name = key.rpartition(".kv_") if ".kv_" in key else (key, "", "")
+        if not name:
+            old[key] = value
+            continue
+        first, second = value.chunk(2)
+        param = name.removesuffix(".weight")
+        suffix = ".weight" if name.endswith(".weight") else ""
+        old[f"{module}.k_{param}{suffix}"], old[f"{module}.v_{param}{suffix}"] = first.squeeze(0), second.squeeze(0)
+    assert any(k.endswith("k_gate_bias") for k in old) and not any(".kv_" in k for k in old)
+    fresh.load_state_dict(old)
+    src, tgt = batch()
+    torch.testing.assert_close(fresh(src, tgt), model(src, tgt), rtol=0, atol=0)
 
 
 # ---- the equations ---------------------------------------------------------------------------------
@@ -108,19 +144,19 @@ def test_keys_and_values_follow_the_spec_equations(fusion: bool) -> None:
     d, heads = 16, 2
     attn = ShortcutAttention(d, heads, options=ShortcutOptions(feature_fusion=fusion))
     with torch.no_grad():
-        attn.k_gate_bias.normal_()
-        attn.v_gate_bias.normal_()
+        attn.kv_gate_bias.normal_()
     e, h = torch.randn(2, 5, d), torch.randn(2, 5, d)
     k, v = attn.project_kv(h, AttentionContext(embeddings=e))
     if fusion:  # [X_sc ; X] = W [E ; H], split in halves along features (Eq. 13-14)
         eh = torch.cat([e, h], -1)
-        k_sc, k_h = (eh @ attn.k_fusion.weight.T).split(d, -1)
-        v_sc, v_h = (eh @ attn.v_fusion.weight.T).split(d, -1)
+        k_sc, k_h, v_sc, v_h = (eh @ attn.kv_fusion.weight.T).split(d, -1)  # W_k, W_v: 2d×2d each
     else:  # Eq. 5-8
-        k_sc, k_h = e @ attn.k_shortcut.weight.T, h @ attn.k_proj.weight.T
-        v_sc, v_h = e @ attn.v_shortcut.weight.T, h @ attn.v_proj.weight.T
-    torch.testing.assert_close(k, split_heads(_gate(k_sc, k_h, attn.k_gate_bias), heads))
-    torch.testing.assert_close(v, split_heads(_gate(v_sc, v_h, attn.v_gate_bias), heads))
+        (w_ksc, w_vsc), (w_k, w_v) = attn.kv_shortcut.weight.split(d), attn.kv_proj.weight.split(d)
+        k_sc, k_h = e @ w_ksc.T, h @ w_k.T
+        v_sc, v_h = e @ w_vsc.T, h @ w_v.T
+    b_k, b_v = attn.kv_gate_bias
+    torch.testing.assert_close(k, split_heads(_gate(k_sc, k_h, b_k), heads))
+    torch.testing.assert_close(v, split_heads(_gate(v_sc, v_h, b_v), heads))
 
 
 @pytest.mark.parametrize("fusion", [False, True])
@@ -130,8 +166,7 @@ def test_fused_gate_gradients_equal_autograd_through_the_equations(fusion: bool)
     d, heads = 8, 2
     attn = ShortcutAttention(d, heads, options=ShortcutOptions(feature_fusion=fusion)).double()
     with torch.no_grad():
-        attn.k_gate_bias.normal_()
-        attn.v_gate_bias.normal_()
+        attn.kv_gate_bias.normal_()
     e, h = (torch.randn(3, 4, d, dtype=torch.float64, requires_grad=True) for _ in range(2))
     up_k, up_v = torch.randn(3, heads, 4, d // heads, dtype=torch.float64), torch.randn(3, heads, 4, d // heads,
                                                                                        dtype=torch.float64)
@@ -144,13 +179,13 @@ def test_fused_gate_gradients_equal_autograd_through_the_equations(fusion: bool)
     fused = grads(*attn.project_kv(h, AttentionContext(embeddings=e)))
     if fusion:
         eh = torch.cat([e, h], -1)
-        k_sc, k_h = (eh @ attn.k_fusion.weight.T).split(d, -1)
-        v_sc, v_h = (eh @ attn.v_fusion.weight.T).split(d, -1)
+        k_sc, k_h, v_sc, v_h = (eh @ attn.kv_fusion.weight.T).split(d, -1)  # W_k, W_v: 2d×2d each
     else:
-        k_sc, k_h = e @ attn.k_shortcut.weight.T, h @ attn.k_proj.weight.T
-        v_sc, v_h = e @ attn.v_shortcut.weight.T, h @ attn.v_proj.weight.T
-    reference = grads(split_heads(_gate(k_sc, k_h, attn.k_gate_bias), heads),
-                      split_heads(_gate(v_sc, v_h, attn.v_gate_bias), heads))
+        (w_ksc, w_vsc), (w_k, w_v) = attn.kv_shortcut.weight.split(d), attn.kv_proj.weight.split(d)
+        k_sc, k_h = e @ w_ksc.T, h @ w_k.T
+        v_sc, v_h = e @ w_vsc.T, h @ w_v.T
+    b_k, b_v = attn.kv_gate_bias
+    reference = grads(split_heads(_gate(k_sc, k_h, b_k), heads), split_heads(_gate(v_sc, v_h, b_v), heads))
     names = ["E", "H", *(n for n, _ in attn.named_parameters())]
     for name, got, want in zip(names, fused, reference):
         if want is None:  # q_proj/out_proj: not on the key/value path
