@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from shortcuts import SYSTEMS, add_system_args, build_systems
-from throughput import Optimiser, add_common_args, default_work, prepared_data, training_batches
+from throughput import Optimiser, add_common_args, default_work, prepared_data, timed_training, training_batches
 
 
 def kernel_times(opt: Optimiser, batches: list) -> dict[str, list[float]]:
@@ -44,19 +43,6 @@ def kernel_times(opt: Optimiser, batches: list) -> dict[str, list[float]]:
             row[0] += e.device_time / 1e3 / len(batches)
             row[1] += 1 / len(batches)
     return kernels
-
-
-def interleaved_wall(systems: dict[str, Optimiser], batches: list) -> dict[str, float]:
-    """Median wall ms per step of each system, trained batch by batch in turn (A, B, C on batch 1, ...)."""
-    times: dict[str, list[float]] = {name: [] for name in systems}
-    for b in batches:
-        for name, opt in systems.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            opt.step(b)
-            torch.cuda.synchronize()
-            times[name].append(1e3 * (time.perf_counter() - start))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def summary(wall_ms: float, kernels: dict[str, list[float]], top: int,
@@ -93,11 +79,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                          "max_tokens": args.max_tokens, "vocab_size": vocab, "steps": args.steps,
                                          "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}}
     systems = build_systems(args, vocab, device)
-    for b in batches[:args.warmup]:
-        for opt in systems.values():
-            opt.step(b)
-    wall = interleaved_wall(systems, batches[args.warmup:])
-    kernels = {name: kernel_times(opt, batches[args.warmup:]) for name, opt in systems.items()}
+    warm, timed = batches[:args.warmup], batches[args.warmup:]
+    _, _, steps = timed_training(systems, warm, timed, len(timed), device)  # interleaved batch by batch
+    wall = {name: 1e3 * statistics.median(t) for name, t in steps.items()}
+    kernels = {name: kernel_times(opt, timed) for name, opt in systems.items()}
     for name in SYSTEMS:
         result[name] = summary(wall[name], kernels[name], args.top, None if name == "baseline" else kernels["baseline"])
     for name in SYSTEMS:
