@@ -85,6 +85,7 @@ class TrainConfig:
     lr: float = 7e-4
     adam_betas: tuple[float, float] = (0.9, 0.98)
     adam_eps: float = 1e-9
+    fused_optimizer: bool = True  # adam/adamw: PyTorch's fused kernel where every parameter's device has one
     weight_decay: float = 0.0
     lr_scheduler: str = "inverse_sqrt"  # inverse_sqrt | constant | reduce_on_rise (÷10 when valid loss rises)
     warmup_updates: int = 4000

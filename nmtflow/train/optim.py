@@ -9,13 +9,24 @@ from torch import nn
 from nmtflow.config import ConfigError, TrainConfig
 
 
+FUSED_DEVICES = ("cpu", "cuda")  # devices with a fused Adam/AdamW kernel in PyTorch
+
+
 def build_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                                weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
-                                 weight_decay=cfg.weight_decay)
+    """The optimizer ``cfg.optimizer`` names over ``params`` (already on their device).
+
+    Adam and AdamW (Kingma & Ba 2015, Alg. 1; Loshchilov & Hutter 2019) take PyTorch's fused implementation
+    when ``cfg.fused_optimizer`` is on and every parameter is a floating-point tensor on a device that has the
+    kernel: the same update in one pass over the parameters, instead of a chain of element-wise operators per
+    tensor (``benchmarks/optimizer_step.py``). Otherwise, and with ``fused_optimizer: false``, PyTorch's
+    default (foreach on CUDA, one tensor at a time on the CPU).
+    """
+    if cfg.optimizer in ("adam", "adamw"):
+        fused = cfg.fused_optimizer and bool(params) and all(
+            p.is_floating_point() and p.device.type in FUSED_DEVICES for p in params)
+        adam = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
+        return adam(params, lr=cfg.lr, betas=cfg.adam_betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                    **({"fused": True} if fused else {}))
     if cfg.optimizer == "nesterov":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.99, nesterov=True, weight_decay=cfg.weight_decay)
     raise ConfigError(f"train.optimizer: unknown optimizer {cfg.optimizer!r} (known: adam, adamw, nesterov)")
