@@ -63,3 +63,29 @@ def test_fused_optimizer_is_a_typed_config_key() -> None:
     assert load_config(data={"train": {"fused_optimizer": False}}).train.fused_optimizer is False
     with pytest.raises(ConfigError):
         load_config(data={"train": {"fused_optimizer": "sometimes"}})
+
+
+def test_fused_adam_under_loss_scaling_skips_overflows_like_the_default() -> None:
+    """The trainer's fp16 sequence (scale, backward, unscale_, clip, scaler.step, update) with an overflow at
+    the third update: the fused optimizer skips it as the default one does and ends on the same parameters."""
+    def train(fused: bool) -> tuple[list[torch.Tensor], float]:
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        optimizer = build_optimizer(list(model.parameters()), TrainConfig(lr=1e-2, fused_optimizer=fused))
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # the CUDA scaler's logic, on the CPU
+        for i in range(5):
+            scaler.scale(model(torch.randn(16, 8)).pow(2).mean()).backward()
+            if i == 2:
+                model.weight.grad[0, 0] = float("inf")
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+        return [p.detach() for p in model.parameters()], scaler.get_scale()
+
+    (fused, fused_scale), (plain, plain_scale) = train(True), train(False)
+    assert fused_scale == plain_scale == 512.0  # one overflow halved the scale
+    assert all(torch.isfinite(p).all() for p in fused)
+    for p, q in zip(fused, plain, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
