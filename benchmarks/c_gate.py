@@ -20,21 +20,20 @@ import argparse
 import ctypes
 import json
 import platform
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
+from nmtflow.config import load_config
 from nmtflow.nn import shortcuts
 from nmtflow.runtime import keep_freed_memory
 from shortcuts import add_system_args, build_systems
-from throughput import (add_common_args, default_work, prepared_data, slowdown_interval, timed_training,
-                        training_batches)
+from throughput import (add_common_args, default_work, interleaved_median_ms, prepared_data, slowdown_interval,
+                        timed_training, training_batches)
 
 SOURCE = r"""
 #include <math.h>
@@ -170,16 +169,7 @@ def gate_checks_and_times(gates: dict[str, tuple[type, type]], n: int, d: int, r
     cases: dict[str, Callable[[], Any]] = {
         name: (lambda pair=pair: torch.autograd.grad(pair.apply(sc, h, b), (sc, h, b), grads))
         for name, (pair, _) in gates.items()}
-    seconds: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(3):
-        for step in cases.values():
-            step()
-    for _ in range(repeats):
-        for name, step in cases.items():
-            start = time.perf_counter()
-            step()
-            seconds[name].append(time.perf_counter() - start)
-    return {"max_abs_difference": diffs, "gate_median_ms": {k: 1e3 * statistics.median(v) for k, v in seconds.items()}}
+    return {"max_abs_difference": diffs, "gate_median_ms": interleaved_median_ms(cases, repeats)}
 
 
 class WithGate:
@@ -207,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         lib = build(Path(tmp))
     gates = {"c": c_gates(lib), "operators": (shortcuts.PairGate, shortcuts.FusedGate)}
-    d = {"small": 256, "base": 512, "big": 1024}[args.preset]
+    d = load_config(data={"model": {"name": "transformer", "preset": args.preset}}).model.d_model
     settings = {k: v for k, v in vars(args).items() if k not in ("data", "work", "out")}  # no local paths
     result: dict[str, Any] = {"config": {"data": args.data.name, **settings, "torch": torch.__version__,
                                          "threads": torch.get_num_threads()},

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +23,7 @@ from torch import Tensor
 
 from nmtflow.nn.shortcuts import PairGate
 from nmtflow.runtime import keep_freed_memory
+from throughput import interleaved_median_ms
 
 
 def gate_in_operators(shortcut: Tensor, hidden: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
@@ -62,16 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
         cases["operators_compiled"] = timed(torch.compile(gate_in_operators, dynamic=False))
     source = torch.randn(6 * n * d)
     cases["copy_of_least_traffic"] = lambda: source.clone()  # reads 6·N·d floats and writes as many
-    for step in cases.values():  # warm-up (and compilation)
-        for _ in range(3):
-            step()
-    seconds: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.repeats):
-        for name, step in cases.items():
-            start = time.perf_counter()
-            step()
-            seconds[name].append(time.perf_counter() - start)
-    ms = {name: 1e3 * statistics.median(t) for name, t in seconds.items()}
+    ms = interleaved_median_ms(cases, args.repeats)  # the warm-up compiles too
     floor_mib = 12 * n * d * 4 / 2 ** 20
     result = {"config": {"tokens": n, "d_model": d, "threads": torch.get_num_threads(), "repeats": args.repeats,
                          "torch": torch.__version__},

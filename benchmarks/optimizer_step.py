@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -23,6 +21,7 @@ import torch
 from nmtflow.config import load_config
 from nmtflow.models.base import Vocabularies, build_model, count_parameters
 from nmtflow.train.optim import build_optimizer
+from throughput import interleaved_median_ms
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -51,18 +50,10 @@ def main(argv: list[str] | None = None) -> dict:
             q.grad = torch.randn_like(q) * 1e-2
         runs[name] = (model, build_optimizer(params, cfg.train))
     assert runs["fused"][1].defaults["fused"] and not runs["default"][1].defaults["fused"]
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    for i in range(args.warmup + args.steps):
-        for name, (_, optimizer) in runs.items():
-            sync()
-            start = time.perf_counter()
-            optimizer.step()
-            sync()
-            if i >= args.warmup:
-                seconds[name].append(time.perf_counter() - start)
+    ms = interleaved_median_ms({name: optimizer.step for name, (_, optimizer) in runs.items()}, args.steps,
+                               args.warmup, sync)
     difference = max((a - b).abs().max().item() for a, b in zip(runs["default"][0].parameters(),
                                                                   runs["fused"][0].parameters()))
-    ms = {name: 1e3 * statistics.median(t) for name, t in seconds.items()}
     result = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
               | {"torch": torch.__version__, "parameters": count_parameters(runs["fused"][0])},
               "median_step_ms": ms, "fused_speedup": ms["default"] / ms["fused"],

@@ -23,7 +23,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -244,6 +244,24 @@ def steady_heap(device: torch.device, headroom_mb: int) -> None:
     negative: leave the heap as it is)."""
     if device.type == "cpu" and headroom_mb >= 0:
         hold_heap(headroom_mb << 20)
+
+
+def interleaved_median_ms(cases: dict[str, Callable[[], Any]], repeats: int, warmup: int = 3,
+                          sync: Callable[[], Any] = lambda: None) -> dict[str, float]:
+    """Median milliseconds per call of each case, the cases called in turn ``warmup`` untimed then ``repeats``
+    timed rounds (``sync`` before and after each timed call: ``torch.cuda.synchronize`` on a GPU)."""
+    for _ in range(warmup):
+        for case in cases.values():
+            case()
+    seconds: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, case in cases.items():
+            sync()
+            start = time.perf_counter()
+            case()
+            sync()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in seconds.items()}
 
 
 def minor_faults() -> int:
