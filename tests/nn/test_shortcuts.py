@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nmtflow.cli import main
-from nmtflow.config import ConfigError, load_config
+from nmtflow.config import Config, ConfigError, load_config
 from nmtflow.data.vocab import BOS, EOS, PAD
 from nmtflow.decode.search import beam_search, sequence_logprobs
 from nmtflow.models.base import Vocabularies, build_model, reorder
@@ -74,20 +74,22 @@ def test_parameter_deltas_are_exact(config: str, baseline: str, delta: int,
 TINY = ("model.d_model=32", "model.ffn_dim=64", "model.heads=4")
 
 
-@pytest.mark.parametrize("config, sublayers, per_sublayer", [
-    ("shortcuts-small.yaml", 12, lambda d: 2 * d * d + 2 * d),
-    ("feature-fusion-small.yaml", 12, lambda d: 6 * d * d + 2 * d),
-    ("shortcuts-big.yaml", 12, lambda d: 2 * d * d + 2 * d),
-    ("shortcuts-encoder-only-base.yaml", 6, lambda d: 2 * d * d + 2 * d),
-    ("shortcuts-decoder-only-base.yaml", 6, lambda d: 2 * d * d + 2 * d),
-    ("shortcuts-cross-only-base.yaml", 6, lambda d: 2 * d * d + 2 * d),
-    ("shortcuts-self-and-cross-base.yaml", 18, lambda d: 2 * d * d + 2 * d),
-    ("nonlexical-shortcuts-base.yaml", 12, lambda d: 2 * d * d + 2 * d),
-])
-def test_every_preset_adds_s_times_the_per_sublayer_delta(config: str, sublayers: int, per_sublayer,
+LEXICAL, FUSION = (lambda d: 2 * d * d + 2 * d), (lambda d: 6 * d * d + 2 * d)
+PRESETS = {  # preset name (without size) → (shortcut sub-layers S, parameters per sub-layer)
+    "shortcuts": (12, LEXICAL), "feature-fusion": (12, FUSION), "shortcuts-encoder-only": (6, LEXICAL),
+    "shortcuts-decoder-only": (6, LEXICAL), "shortcuts-cross-only": (6, LEXICAL),
+    "shortcuts-self-and-cross": (18, LEXICAL), "nonlexical-shortcuts": (12, LEXICAL)}
+SIZES = ("small", "base", "big")
+
+
+@pytest.mark.parametrize("variant", PRESETS)
+@pytest.mark.parametrize("size", SIZES)
+def test_every_preset_adds_s_times_the_per_sublayer_delta(variant: str, size: str,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    # the same presets at d=32 (only the parameter arithmetic is under test; 6+6 layers kept)
-    assert info(capsys, config, *TINY) - info(capsys, "transformer-base.yaml", *TINY) == sublayers * per_sublayer(32)
+    # every variant's preset at every size, at d=32 (only the parameter arithmetic is under test; 6+6 layers kept)
+    sublayers, per_sublayer = PRESETS[variant]
+    delta = info(capsys, f"{variant}-{size}.yaml", *TINY) - info(capsys, f"transformer-{size}.yaml", *TINY)
+    assert delta == sublayers * per_sublayer(32)
 
 
 def test_feature_fusion_replaces_the_standard_key_value_maps() -> None:
@@ -420,15 +422,25 @@ def test_presets_select_the_variant_and_warmup(size: str, warmups: tuple[int, in
         assert cfg.model.cross_attention.type == "standard"
 
 
-def test_ablation_presets_put_shortcuts_where_they_say() -> None:
-    def slots(name: str) -> tuple[str, str, str]:
-        m = load_config(CONFIGS / name).model
-        return tuple(getattr(m, slot).type for slot in SLOTS)
+@pytest.mark.parametrize("size", SIZES)
+def test_ablation_presets_put_shortcuts_where_they_say(size: str) -> None:
+    def load(variant: str) -> Config:
+        return load_config(CONFIGS / f"{variant}-{size}.yaml")
+
+    def slots(variant: str) -> tuple[str, ...]:
+        return tuple(getattr(load(variant).model, slot).type for slot in SLOTS)
 
     std, sc = "standard", "shortcut"
-    assert slots("shortcuts-encoder-only-base.yaml") == (sc, std, std)
-    assert slots("shortcuts-decoder-only-base.yaml") == (std, sc, std)
-    assert slots("shortcuts-cross-only-base.yaml") == (std, std, sc)
-    assert slots("shortcuts-self-and-cross-base.yaml") == (sc, sc, sc)
-    nonlexical = load_config(CONFIGS / "nonlexical-shortcuts-base.yaml").model
+    assert slots("shortcuts-encoder-only") == (sc, std, std)
+    assert slots("shortcuts-decoder-only") == (std, sc, std)
+    assert slots("shortcuts-cross-only") == (std, std, sc)
+    assert slots("shortcuts-self-and-cross") == (sc, sc, sc)
+    nonlexical = load("nonlexical-shortcuts").model
+    assert slots("nonlexical-shortcuts") == (sc, sc, std)
     assert nonlexical.encoder_self_attention.source == nonlexical.decoder_self_attention.source == "nonlexical"
+    baseline, shortcuts = load_config(CONFIGS / f"transformer-{size}.yaml"), load("shortcuts")
+    for variant in PRESETS:  # each ablation is its size's Transformer, warmed up like its shortcuts preset
+        cfg = load(variant)
+        assert cfg.model.d_model == baseline.model.d_model and cfg.train.lr == baseline.train.lr
+        if variant != "feature-fusion":
+            assert cfg.train.warmup_updates == shortcuts.train.warmup_updates
