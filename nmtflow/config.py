@@ -13,7 +13,9 @@ A config file has four sections, each a dataclass below::
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,8 +25,45 @@ from typing import Any, Union
 import yaml
 
 
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with YAML 1.2 scalars and no duplicate keys.
+
+    YAML 1.1 (PyYAML's default) reads ``no``/``on``/``yes`` as booleans (``src_lang: no`` would be False, not
+    Norwegian) and ``5e-4`` as a string; here only ``true``/``false`` are booleans and ``5e-4`` is a number. A
+    key given twice in one mapping is an error naming its line, not a silent "last one wins".
+    """
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, typing.Hashable) and key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def yaml_load(text: str) -> Any:
+    """Parse config YAML (see :class:`_Loader`)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision
 CUDA_ONLY_PRECISIONS = ("tf32", "fp16")
+EARLY_STOP_METRICS = ("bleu", "loss")  # train.early_stop_metric
 
 
 class ConfigError(ValueError):
@@ -111,6 +150,27 @@ class TrainConfig:
                               f"(known: {', '.join(PRECISIONS)})")
         if self.max_bad_updates < 1:
             raise ConfigError(f"{where}.max_bad_updates: must be >= 1, got {self.max_bad_updates}")
+        for name in ("update_freq", "log_every", "keep_checkpoints", "valid_beam_size", "max_updates"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("validate_every", "save_every", "warmup_updates"):  # 0: never / no warm-up
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{where}.{name}: must be >= 0 (0 turns it off), got {getattr(self, name)}")
+        for name in ("max_epochs", "patience", "threads", "valid_bleu_max_sentences"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name}: must be >= 1 or null, got {getattr(self, name)}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ConfigError(f"{where}.max_minutes: must be > 0 or null, got {self.max_minutes}")
+        if self.early_stop_metric not in EARLY_STOP_METRICS:
+            raise ConfigError(f"{where}.early_stop_metric: expected one of {', '.join(EARLY_STOP_METRICS)}, "
+                              f"got {self.early_stop_metric!r}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"{where}.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
+        if self.lr <= 0 or self.clip_norm < 0 or self.weight_decay < 0:
+            raise ConfigError(f"{where}: lr must be > 0, clip_norm and weight_decay >= 0 "
+                              f"(got {self.lr}, {self.clip_norm}, {self.weight_decay})")
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?|mps", self.device):
+            raise ConfigError(f"{where}.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
 
 
 @dataclass
@@ -205,6 +265,21 @@ def coerce(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
+# (top-level ``where``, key path → file or override) while load_config types a config
+_ORIGINS: contextvars.ContextVar[tuple[str, dict[tuple[str, ...], str]] | None] = \
+    contextvars.ContextVar("nmtflow_config_origins", default=None)
+
+
+def _where_set(where: str, key: str) -> str:
+    """``where`` (``FILE: section.sub``), naming the base file or override that set ``key`` if not FILE itself."""
+    context = _ORIGINS.get()
+    if context is None or not where.startswith(context[0] + ": "):
+        return where
+    section = where[len(context[0]) + 2:]
+    source = context[1].get(tuple(section.split(".")) + (str(key),))
+    return f"{source}: {section}" if source and source != context[0] else where
+
+
 def from_dict(cls: type, data: Any, where: str = "config") -> Any:
     """Build dataclass ``cls`` from a mapping; unknown keys and wrong types raise ConfigError.
 
@@ -222,7 +297,8 @@ def from_dict(cls: type, data: Any, where: str = "config") -> Any:
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in known]
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        raise ConfigError(f"{_where_set(where, unknown[0])}: unknown key {unknown[0]!r} "
+                          f"(known: {', '.join(sorted(known))})")
     kwargs = {k: coerce(hints[k], v, f"{where}.{k}") for k, v in data.items()}
     obj = cls(**kwargs)
     post = getattr(obj, "validate", None)
@@ -249,6 +325,8 @@ def to_dict(obj: Any) -> Any:
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
+        if value is None and isinstance(out.get(key), dict):
+            continue  # an empty section (`train:` with every entry commented out) changes nothing
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             if key == "model" and value.get("name", out[key].get("name")) != out[key].get("name"):
                 out[key] = dict(value)  # another model: nothing of the base's model section applies
@@ -259,15 +337,28 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
     return out
 
 
-def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read a config file, following ``base:`` chains (relative to the including file)."""
+def _record_origins(data: dict[str, Any], source: str, origins: dict[tuple[str, ...], str],
+                    prefix: tuple[str, ...] = ()) -> None:
+    """Note ``source`` as where every key path of ``data`` was last set (for errors that name the right file)."""
+    for key, value in data.items():
+        origins[prefix + (str(key),)] = source
+        if isinstance(value, dict):
+            _record_origins(value, source, origins, prefix + (str(key),))
+
+
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = (),
+              origins: dict[tuple[str, ...], str] | None = None) -> dict[str, Any]:
+    """Read a config file, following ``base:`` chains (relative to the including file).
+
+    ``origins``, if given, receives the file each key path comes from (a child's keys replace its base's).
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     if path.resolve() in _seen:
         raise ConfigError(f"{path}: circular 'base:' chain")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -281,7 +372,10 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
         base_path = Path(base)
         if not base_path.is_absolute():
             base_path = path.parent / base_path
-        data = _deep_merge(read_yaml(base_path, _seen + (path.resolve(),)), data)
+        data = _deep_merge(read_yaml(base_path, _seen + (path.resolve(),), origins), data)
+    if origins is not None:
+        _record_origins({k: v for k, v in yaml_load(path.read_text(encoding="utf-8")).items() if k != "base"},
+                        str(path), origins)
     return data
 
 
@@ -290,16 +384,24 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.max_updates=100")
     key, value = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(value)
+    try:
+        return key.strip().split("."), yaml_load(value)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: invalid YAML value ({getattr(exc, 'problem', None) or exc})") from None
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: dict[str, Any], overrides: list[str],
+                    origins: dict[tuple[str, ...], str] | None = None) -> dict[str, Any]:
     data = dict(data)
     for text in overrides:
         keys, value = parse_override(text)
+        if origins is not None:
+            _record_origins({keys[-1]: value}, f"override {text!r}", origins, tuple(keys[:-1]))
         node = data
         for k in keys[:-1]:
-            node = node.setdefault(k, {})
+            if node.get(k) is None:  # absent, or an empty section
+                node[k] = {}
+            node = node[k]
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: {k!r} is not a section")
         node[keys[-1]] = value
@@ -309,8 +411,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 data: dict[str, Any] | None = None) -> Config:
     """Load a YAML config (or a dict), apply ``a.b=c`` overrides, and type-check it all."""
-    raw = read_yaml(path) if path is not None else dict(data or {})
-    raw = apply_overrides(raw, overrides or [])
+    origins: dict[tuple[str, ...], str] = {}
+    raw = read_yaml(path, origins=origins) if path is not None else dict(data or {})
+    raw = apply_overrides(raw, overrides or [], origins)
     where = str(path) if path is not None else "config"
     from nmtflow.models.base import ModelConfig  # resolves the registered model config class
 
@@ -318,8 +421,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     hints = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "decode": DecodeConfig}
     unknown = [k for k in raw if k not in hints]
     if unknown:
-        raise ConfigError(f"{where}: unknown key {unknown[0]!r} (known: base, {', '.join(hints)})")
-    return Config(**{k: from_dict(tp, raw.get(k), f"{where}: {k}") for k, tp in hints.items()})
+        source = origins.get((str(unknown[0]),), where)
+        raise ConfigError(f"{source}: unknown key {unknown[0]!r} (known: base, {', '.join(hints)})")
+    token = _ORIGINS.set((where, origins))
+    try:
+        return Config(**{k: from_dict(tp, raw.get(k), f"{where}: {k}") for k, tp in hints.items()})
+    finally:
+        _ORIGINS.reset(token)
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -44,7 +44,7 @@ class Registry:
 
     def get(self, name: str) -> Entry:
         _load_builtins()
-        if name not in self._entries:
+        if not isinstance(name, str) or name not in self._entries:
             raise KeyError(f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._entries))}")
         return self._entries[name]
 

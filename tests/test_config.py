@@ -66,3 +66,58 @@ def test_round_trip_through_dict() -> None:
     cfg = load_config(CONFIGS / "transformer-small.yaml", ["model.encoder_layers=2"])
     again = config_from_dict(cfg.to_dict())
     assert again == cfg
+
+
+def test_yaml_1_2_scalars_and_duplicate_keys(tmp_path: Path) -> None:
+    # 5e-4 is a number and `no` a string (YAML 1.1 would read a string and False), in files and overrides
+    cfg = load_config(write(tmp_path, "a.yaml", "train: {lr: 5e-4}\ndata: {src_lang: no, tgt_lang: on}\n"))
+    assert (cfg.train.lr, cfg.data.src_lang, cfg.data.tgt_lang) == (5e-4, "no", "on")
+    cfg = load_config(CONFIGS / "transformer-small.yaml",
+                      ["train.lr=1E-3", "data.tgt_lang=yes", "train.progress=false"])
+    assert (cfg.train.lr, cfg.data.tgt_lang, cfg.train.progress) == (1e-3, "yes", False)
+    with pytest.raises(ConfigError, match=r"b\.yaml:3: invalid YAML \(duplicate key 'train'\)"):
+        load_config(write(tmp_path, "b.yaml", "train: {lr: 0.001}\ndata: {}\ntrain: {max_updates: 10}\n"))
+
+
+def test_bad_override_values_are_config_errors() -> None:
+    small = CONFIGS / "transformer-small.yaml"
+    with pytest.raises(ConfigError, match=r"override 'train.lr=\[1,': invalid YAML value"):
+        load_config(small, ["train.lr=[1,"])
+    for override, message in (("model.name=[x]", "unknown model"), ("model.preset=[x]", "unknown preset"),
+                              ("model.encoder_self_attention.type=[x]", "unknown attention")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(small, [override])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.update_freq=0", "update_freq"), ("train.log_every=0", "log_every"),
+    ("train.validate_every=-1", "validate_every"),
+    ("train.early_stop_metric=blue", "early_stop_metric"), ("train.label_smoothing=1.5", "label_smoothing"),
+    ("train.device=gpu", "device"), ("train.valid_bleu_max_sentences=0", "valid_bleu_max_sentences"),
+    ("train.max_minutes=0", "max_minutes"), ("train.lr=0", "lr"),
+])
+def test_training_settings_out_of_range(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"train\.{key}|train: {key}|{key} must"):
+        load_config(CONFIGS / "transformer-small.yaml", [override])
+
+
+def test_an_empty_section_keeps_its_base(tmp_path: Path) -> None:
+    write(tmp_path, "parent.yaml", "train: {lr: 0.001, max_updates: 20}\ndata: {src_lang: fr}\n")
+    child = write(tmp_path, "child.yaml", "base: parent.yaml\ntrain:\n  # max_updates: 5\ndata:\n")
+    cfg = load_config(child, ["data.tgt_lang=cs"])
+    assert (cfg.train.lr, cfg.train.max_updates, cfg.data.src_lang, cfg.data.tgt_lang) == (0.001, 20, "fr", "cs")
+
+
+def test_unknown_keys_name_the_file_or_override_that_set_them(tmp_path: Path) -> None:
+    write(tmp_path, "parent.yaml", "train: {lrr: 0.1}\n")
+    child = write(tmp_path, "child.yaml", "base: parent.yaml\nmodel: {preset: small}\n")
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'parent.yaml'}: train: unknown key 'lrr'"):
+        load_config(child)
+    fine = write(tmp_path, "fine.yaml", "base: transformer.yaml\n")
+    write(tmp_path, "transformer.yaml", "model: {preset: small}\n")
+    with pytest.raises(ConfigError, match=r"^override 'train.foo=1': train: unknown key 'foo'"):
+        load_config(fine, ["train.foo=1"])
+    with pytest.raises(ConfigError, match=r"^override 'model.d_modle=8': model: unknown key 'd_modle'"):
+        load_config(fine, ["model.d_modle=8"])
+    with pytest.raises(ConfigError, match=rf"^{fine}: train: unknown key 'bar'"):
+        load_config(write(tmp_path, "fine.yaml", "base: transformer.yaml\ntrain: {bar: 1}\n"))

@@ -178,3 +178,24 @@ def test_translate_and_score_files_of_random_unicode(run_dir: Path, tmp_path: Pa
         assert code == 0, err
         if args[0] == "translate":
             assert len(out.read_text(encoding="utf-8").split("\n")) == n + 1
+
+
+def test_a_sentence_longer_than_the_model_stops_training_before_it_starts(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from nmtflow.data.prepare import prepare
+
+    train, valid = copy_sentences(300, 3), copy_sentences(10, 4)
+    valid[6] = " ".join(copy_sentences(60, 5))  # line 7: hundreds of pieces
+    write_split(tmp_path / "raw" / "train", train, train)
+    write_split(tmp_path / "raw" / "valid", valid, valid)
+    prepare({"train": str(tmp_path / "raw" / "train"), "valid": str(tmp_path / "raw" / "valid")}, ["src", "tgt"],
+            tmp_path / "data", vocab_size=60, progress=False)
+    config = tiny_config(tmp_path / "data", tmp_path / "run", max_updates=1, threads=1)
+    config.model.max_positions = 128
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(to_dict(config)), encoding="utf-8")
+    err = one_line_error(["train", str(tmp_path / "run.yaml")], f"valid.src:7: a sentence of ", capsys)
+    assert "max_positions=128" in err and not (tmp_path / "run" / "checkpoint_last.pt").exists()
+    # a training row: named by its row (prepare filters the training text, so rows are not lines)
+    err = one_line_error(["train", str(tmp_path / "run.yaml"), "--set", "data.train_split=valid",
+                          "--set", "data.valid_split=''"], "valid.src row 7", capsys)
+    assert "--max-len" in err

@@ -132,7 +132,6 @@ def prepare(
         raise ValueError(f"workers must be >= 1, got {workers}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / META_FILE).unlink(missing_ok=True)  # the directory is incomplete until meta is rewritten
     disable = None if progress else True
 
     files = {split: [Path(f"{prefix}.{lang}") for lang in langs] for split, prefix in data_prefixes.items()}
@@ -154,8 +153,12 @@ def prepare(
                 n = chunk[-1][0]
                 bar.update(len(chunk))
         lines[split] = n
-    if lines[train_split] == 0:
-        raise CorpusError(files[train_split][0], "the training split is empty")
+    for split, n in lines.items():
+        if n == 0:
+            raise CorpusError(files[split][0], f"the {'training' if split == train_split else split} split is empty")
+    # the checks passed: from here on the directory is incomplete until meta.json is rewritten (a prepared
+    # directory survives a failed check of new input)
+    (out_dir / META_FILE).unlink(missing_ok=True)
 
     # 2. tokenizers, trained on the training split
     symbols = [lang_tag(lang) for lang in langs] if lang_tags else []

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
 
 from .corpus import CorpusError
 from .vocab import BOS, BOS_PIECE, EOS, EOS_PIECE, PAD, PAD_PIECE, UNK, UNK_PIECE
@@ -15,6 +16,24 @@ from .vocab import BOS, BOS_PIECE, EOS, EOS_PIECE, PAD, PAD_PIECE, UNK, UNK_PIEC
 
 def _default_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
+
+
+def canonical_model(data: bytes) -> bytes:
+    """A serialized SentencePiece model without the trainer's file names (its input files and output prefix).
+
+    Those names are all that differs between two trainings of the same data in different places or processes;
+    they play no part in encoding or decoding.
+    """
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(data)
+    proto.trainer_spec.ClearField("input")
+    proto.trainer_spec.ClearField("model_prefix")
+    return proto.SerializeToString(deterministic=True)
+
+
+def same_model(a: bytes, b: bytes) -> bool:
+    """Whether two serialized SentencePiece models tokenize alike (:func:`canonical_model` equal)."""
+    return a == b or canonical_model(a) == canonical_model(b)
 
 
 class Tokenizer:
@@ -109,6 +128,8 @@ class Tokenizer:
                 Path(f"{tmp_prefix}{ext}").unlink(missing_ok=True)
             names = ", ".join(str(f) for f in files)
             raise ValueError(f"SentencePiece training on {names} failed: {e}") from None
+        model = Path(f"{tmp_prefix}.model")  # without the temporary name: preparing again gives the same bytes
+        model.write_bytes(canonical_model(model.read_bytes()))
         for ext in (".vocab", ".model"):
             os.replace(f"{tmp_prefix}{ext}", f"{model_prefix}{ext}")
         return cls(f"{model_prefix}.model", num_threads=num_threads)

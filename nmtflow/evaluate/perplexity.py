@@ -14,6 +14,7 @@ import torch
 from nmtflow.data.batching import TokenBatchSampler
 from nmtflow.data.bitext import Bitext, open_bitext
 from nmtflow.data.prepare import load_meta
+from nmtflow.data.tokenizer import same_model
 from nmtflow.decode.translate import Translator
 from nmtflow.evaluate.metrics import perplexity
 from nmtflow.models.base import EncoderDecoder, device_of
@@ -66,7 +67,7 @@ def open_checkpoint_data(translator: Translator, data_dir: str | Path, split: st
     src, tgt = cfg.data.src_lang, cfg.data.tgt_lang
     data = open_bitext(data_dir, split, src, tgt)
     for lang, tok in ((src, translator.src_tokenizer), (tgt, translator.tgt_tokenizer)):
-        if (Path(data_dir) / meta["tokenizers"][lang]).read_bytes() != Path(tok.path).read_bytes():
+        if not same_model((Path(data_dir) / meta["tokenizers"][lang]).read_bytes(), Path(tok.path).read_bytes()):
             raise ValueError(f"{data_dir}: its {lang} vocabulary ({meta['tokenizers'][lang]}) is not the one "
                              f"{checkpoint} was trained with; give the data directory prepared for that run")
     return data

@@ -39,7 +39,7 @@ class ModelConfig:
             raise ConfigError(f"{where}.name: {exc.args[0]}") from None
         preset = data.get("preset")
         if preset is not None:
-            if preset not in config_cls.PRESETS:
+            if not isinstance(preset, str) or preset not in config_cls.PRESETS:
                 raise ConfigError(f"{where}.preset: unknown preset {preset!r} for {name} "
                                   f"(known: {', '.join(config_cls.PRESETS) or 'none'})")
             data = {**config_cls.PRESETS[preset], **data}

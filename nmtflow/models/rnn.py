@@ -45,6 +45,7 @@ class RNNConfig(ModelConfig):
     input_feeding: bool = True
     tie_embeddings: bool = True  # joint vocab: source = target = output; else target = output
     max_positions: int = 1024  # only caps the decoding length (the LSTMs have no position limit)
+    POSITIONS_BOUND_LENGTH: ClassVar[bool] = False  # training takes sentences of any length
 
     PRESETS: ClassVar[dict[str, dict]] = {"base": dict(hidden_dim=512, encoder_layers=2, decoder_layers=2)}
 

@@ -31,7 +31,7 @@ from nmtflow.data.bitext import tokenizer_path
 from nmtflow.data.multilingual import (Direction, LanguageRotatingSampler, MultiBitext, open_directions,
                                        plan_directions)
 from nmtflow.data.prepare import load_meta
-from nmtflow.data.tokenizer import Tokenizer
+from nmtflow.data.tokenizer import Tokenizer, same_model
 from nmtflow.data.vocab import lang_tag
 from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
@@ -116,7 +116,8 @@ class MultilingualTrainer(Trainer):
 
     def _check_tokenizers(self, ckpt: dict[str, Any], path: str) -> None:
         for lang, data in ckpt.get("tokenizers", {}).items():
-            if lang in self.tokenizers and self.tokenizers[lang].path.read_bytes() != data.numpy().tobytes():
+            mine = self.tokenizers.get(lang)
+            if mine is not None and not same_model(mine.path.read_bytes(), data.numpy().tobytes()):
                 raise ConfigError(f"data.path: the {lang} tokenizer differs from the one in {path}; prepare the "
                                   "new language together with the languages of the trained model")
 

@@ -27,7 +27,7 @@ from nmtflow.config import CUDA_ONLY_PRECISIONS, Config, ConfigError, to_dict
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import Bitext, open_bitext, tokenizer_path
 from nmtflow.data.prepare import load_meta
-from nmtflow.data.tokenizer import Tokenizer
+from nmtflow.data.tokenizer import Tokenizer, same_model
 from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
@@ -67,6 +67,22 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+def long_sentence_message(data_dir: str | Path, split: str, lang: str, row: int, count: int, length: int,
+                          limit: int, *, cleaned: bool) -> str:
+    """Where a prepared sentence too long for the model comes from, and what to do about it."""
+    meta = load_meta(data_dir)
+    source = (meta.get("source_files") or {}).get(split, {}).get(lang)
+    others = f" ({count - 1} more after it)" if count > 1 else ""
+    if cleaned or not source:  # training rows are filtered by prepare, so a row is not a line of the text
+        where = f"{data_dir}: {split}.{lang} row {row + 1}"
+        fix = "prepare the data again with a smaller --max-len"
+    else:
+        where = f"{source}:{row + 1}"
+        fix = "shorten or split that line and prepare again"
+    return (f"{where}: a sentence of {length} positions (with EOS){others} does not fit the model's "
+            f"max_positions={limit}; {fix}, or raise model.max_positions")
+
+
 class Trainer:
     """Trains ``config.model`` on ``config.data`` according to ``config.train``.
 
@@ -97,6 +113,7 @@ class Trainer:
 
         self.setup_data()
         self.model: EncoderDecoder = self.create_model().to(self.device)
+        self.check_lengths()
         if self.dist.rank > 0:  # each rank draws its own dropout masks; rank 0 keeps the single-process stream
             torch.manual_seed(tc.seed + self.dist.rank)
         self.optimizer = build_optimizer([p for p in self.model.parameters() if p.requires_grad], tc)
@@ -141,6 +158,23 @@ class Trainer:
         self.sampler = TokenBatchSampler(self.train_data.src.sizes, self.train_data.tgt.sizes, dc.max_tokens,
                                          shuffle=True, seed=tc.seed, max_sentences=dc.max_sentences,
                                          num_shards=self.dist.world_size, shard_id=self.dist.rank)
+
+    def check_lengths(self) -> None:
+        """Stop before training if a sentence is longer than the model's positions (its line named), not at it."""
+        limit = getattr(self.model.config, "max_positions", None)
+        if not isinstance(limit, int) or not getattr(self.model.config, "POSITIONS_BOUND_LENGTH", True) \
+                or not isinstance(self.train_data, Bitext):  # (the multilingual trainer's data are per direction)
+            return
+        dc = self.config.data
+        prefix = int(getattr(self.train_data, "src_prefix", None) is not None)
+        splits = [(dc.train_split, self.train_data)] + ([(dc.valid_split, self.valid_data)] if self.valid_data else [])
+        for split, bitext in splits:
+            for lang, data, extra in ((dc.src_lang, bitext.src, 1 + prefix), (dc.tgt_lang, bitext.tgt, 1)):
+                too_long = np.flatnonzero(np.asarray(data.sizes) + extra > limit)
+                if too_long.size:
+                    raise ConfigError(long_sentence_message(dc.path, split, lang, int(too_long[0]), len(too_long),
+                                                            int(data.sizes[too_long[0]]) + extra, limit,
+                                                            cleaned=split == dc.train_split))
 
     def create_model(self) -> EncoderDecoder:
         """The model to train; its trainable parameters (``requires_grad``) go to the optimiser."""
@@ -201,7 +235,7 @@ class Trainer:
                               f"{mine['langs']['src']}→{mine['langs']['tgt']} (data.src_lang, data.tgt_lang)")
         saved = ckpt.get("tokenizers") or {}
         for key, data in mine["tokenizers"].items():
-            if key not in saved or not torch.equal(saved[key].cpu(), data):
+            if key not in saved or not same_model(saved[key].cpu().numpy().tobytes(), data.numpy().tobytes()):
                 raise ConfigError(f"{path}: its vocabulary ({key!r} SentencePiece model) differs from the one in "
                                   f"{self.config.data.path}; give the data directory the run was trained on, or start "
                                   "afresh with --restart or another --save-dir")

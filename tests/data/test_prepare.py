@@ -165,3 +165,21 @@ def test_ordered_map_keeps_order_and_reads_ahead_boundedly():
         out.append(y)
         assert len(read) - len(out) <= 3  # never more than the window ahead of the consumer
     assert out == [i * i for i in range(20)]
+
+
+def test_empty_valid_split_is_an_error(tmp_path, corpus):
+    corpus["valid"] = write_split(tmp_path, "empty", [], [])
+    with pytest.raises(CorpusError) as err:
+        prepare(corpus, ["en", "de"], tmp_path / "out", vocab_size=300)
+    assert str(err.value).startswith(f"{tmp_path / 'empty.en'}: the valid split is empty")
+
+
+def test_a_failed_check_leaves_a_prepared_directory_usable(tmp_path, corpus):
+    out = tmp_path / "prepared"
+    meta = prepare(corpus, ["en", "de"], out, vocab_size=300)
+    model = (out / "spm.model").read_bytes()
+    with pytest.raises(CorpusError, match="file not found"):
+        prepare(corpus, ["en", "dee"], out, vocab_size=300)  # a typo in the languages
+    assert load_meta(out) == meta and (out / "spm.model").read_bytes() == model
+    assert prepare(corpus, ["en", "de"], out, vocab_size=300) == meta  # and preparing again is byte-identical
+    assert (out / "spm.model").read_bytes() == model

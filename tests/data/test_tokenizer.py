@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nmtflow.data.corpus import normalize_line
-from nmtflow.data.tokenizer import Tokenizer
+from nmtflow.data.tokenizer import Tokenizer, same_model
 from nmtflow.data.vocab import BOS, EOS, PAD, UNK, lang_tag
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -94,3 +94,28 @@ def test_pickle_reloads(tok):
     t2 = pickle.loads(pickle.dumps(tok))
     assert t2.vocab_size == tok.vocab_size
     assert t2.encode("Guten Morgen") == tok.encode("Guten Morgen")
+
+
+def test_training_again_elsewhere_writes_the_same_model(tok, tmp_path):
+    # the trainer's temporary output name and the input paths are not kept: same data, same bytes
+    copies = [tmp_path / "copy.en", tmp_path / "copy.de"]
+    for src, dst in zip(TEXTS, copies):
+        dst.write_bytes(src.read_bytes())
+    again = Tokenizer.train(copies, tmp_path / "other" / "spm", vocab_size=300,
+                            user_symbols=[lang_tag("en"), lang_tag("de")])
+    assert again.path.read_bytes() == tok.path.read_bytes()
+    assert b".tmp" not in again.path.read_bytes() and str(tmp_path).encode() not in again.path.read_bytes()
+
+
+def test_same_model_ignores_file_names_only(tok, tmp_path):
+    from sentencepiece import sentencepiece_model_pb2
+
+    data = tok.path.read_bytes()
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(data)
+    proto.trainer_spec.model_prefix = "/somewhere/.spm.tmp1234"  # as models written before were
+    proto.trainer_spec.input.append("corpus/train.en")
+    renamed = proto.SerializeToString()
+    assert renamed != data and same_model(renamed, data)
+    proto.pieces[10].piece += "x"  # a different vocabulary
+    assert not same_model(proto.SerializeToString(), data)
