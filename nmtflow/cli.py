@@ -41,7 +41,11 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     if args.test:
         splits["test"] = args.test
     for extra in args.split or []:
-        name, _, prefix = extra.partition("=")
+        name, eq, prefix = extra.partition("=")
+        if not (eq and name and prefix):
+            raise ValueError(f"--split {extra!r}: expected NAME=PREFIX, e.g. --split test2=corpus/newstest2014")
+        if name in splits:
+            raise ValueError(f"--split {extra!r}: the {name} split is already given (--{name} or another --split)")
         splits[name] = prefix
     meta = prepare(splits, args.langs, Path(args.out), vocab_size=args.vocab_size, joint=not args.separate_vocab,
                    clean=CleanConfig(max_len=args.max_len, max_ratio=args.max_ratio), lang_tags=args.lang_tags,
@@ -52,7 +56,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 
 @command
-def cmd_train(args: argparse.Namespace) -> None:
+def cmd_train(args: argparse.Namespace) -> int:
     from nmtflow.config import load_config
     from nmtflow.train.trainer import Trainer
 
@@ -69,6 +73,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     trainer = trainer_cls(config, resume=not args.restart)
     result = trainer.train()
     print(f"{result.progress.stopped}; checkpoints in {result.save_dir}")
+    return 130 if result.progress.stopped.startswith("interrupted") else 0  # scripts can tell a stop from the end
 
 
 @command
@@ -76,6 +81,8 @@ def cmd_average(args: argparse.Namespace) -> None:
     from nmtflow.train.checkpoint import average_checkpoints, periodic_checkpoints, save_atomic
 
     paths = [Path(p) for p in args.checkpoints]
+    if args.last < 1:
+        raise ValueError(f"--last: must be >= 1, got {args.last}")
     if len(paths) == 1 and paths[0].is_dir():
         found = periodic_checkpoints(paths[0])
         if not found:
@@ -150,16 +157,17 @@ def _stdin_lines():
 
 @command
 def cmd_translate(args: argparse.Namespace) -> None:
+    from nmtflow.decode.translate import output_file
+
     translator = _translator(args)
-    out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     interactive = args.input is None and sys.stdin.isatty()
-    if args.input is not None:
-        results = translator.translate_stream(_read_lines(args.input), chunk=1000)
+    if args.input is not None:  # read (and check) the whole input before any output is written
+        results = translator.translate_stream(_read_lines(args.input), chunk=1000, name=args.input)
     else:
         if interactive:
             print("nmtflow: type a sentence and press Enter (Ctrl-D to quit)", file=sys.stderr)
         results = translator.translate_stream(_stdin_lines(), chunk=1 if interactive or args.unbuffered else 1000)
-    try:
+    with output_file(args.output) as out:  # stdout without -o
         for n, nbest in enumerate(results):
             if translator.decode.nbest > 1:
                 for text, score in nbest:
@@ -168,9 +176,6 @@ def cmd_translate(args: argparse.Namespace) -> None:
                 out.write(nbest[0][0] + "\n")
             if interactive or args.unbuffered:
                 out.flush()
-    finally:
-        if out is not sys.stdout:
-            out.close()
 
 
 @command
@@ -185,9 +190,12 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     if args.hyp:
         hyps = _read_lines(args.hyp)
     elif args.checkpoint and args.src:
-        hyps = [nb[0][0] for nb in _translator(args).translate(_read_lines(args.src))]
+        from nmtflow.decode.translate import output_file
+
+        hyps = [nb[0][0] for nb in _translator(args).translate(_read_lines(args.src), name=args.src)]
         if args.output:
-            Path(args.output).write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
+            with output_file(args.output) as out:
+                out.write("".join(h + "\n" for h in hyps))
     else:
         raise ValueError("evaluate needs --hyp FILE, or a CHECKPOINT with --src FILE")
     if len(hyps) != len(refs):
@@ -207,7 +215,7 @@ def _evaluate_perplexity(args: argparse.Namespace) -> None:
     if not (args.checkpoint and args.data):
         raise ValueError("evaluate --perplexity needs a CHECKPOINT and --data DIR (a prepared directory)")
     result = checkpoint_perplexity(args.checkpoint, args.data, args.split, max_tokens=args.batch_tokens,
-                                   device=resolve_device(args.device))
+                                   device=resolve_device(args.device), src_lang=args.src_lang, tgt_lang=args.tgt_lang)
     if args.json:
         print(json.dumps(result))
     else:
@@ -230,7 +238,11 @@ def cmd_score(args: argparse.Namespace) -> None:
     src, tgt = _read_lines(args.src), _read_lines(args.tgt)
     if len(src) != len(tgt):
         raise ValueError(f"{args.src} has {len(src)} lines but {args.tgt} has {len(tgt)}")
-    for lp in translator.score(src, tgt, files=(args.src, args.tgt)):
+    scores = translator.score(src, tgt, files=(args.src, args.tgt))
+    if args.json:  # one JSON list: log P(target | source) of each line, in order
+        print(json.dumps(scores))
+        return
+    for lp in scores:
         print(f"{lp:.4f}")
 
 
@@ -548,7 +560,7 @@ def _bridge_analysis_options(p: argparse.ArgumentParser, models: str) -> None:
 
 
 def _analysis_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoints to compare")
+    p.add_argument("checkpoints", nargs="+", metavar="CKPT", help="bilingual Transformer checkpoints to compare")
     p.add_argument("--data", required=True, help="prepared data directory (the checkpoints' vocabulary)")
     p.add_argument("--split", default="valid", help="prepared split to analyse")
     p.add_argument("--out", required=True, help="output directory for the JSON table and PNG plots")
@@ -574,7 +586,11 @@ def main(argv: list[str] | None = None) -> int:
         for module in args.plugin:
             sys.path.insert(0, os.getcwd())
             importlib.import_module(module)
-        COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # now rather than at exit, so that a reader gone away is the BrokenPipeError below
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): not an error (caught before OSError)
+        _silence_stdout()
+        return 0
     except expected as exc:
         if os.environ.get("NMTFLOW_DEBUG"):
             raise
@@ -584,9 +600,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
-    return 0
+    return code or 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout's descriptor at the null device, so the interpreter's final flush into the closed pipe is quiet."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stream without a descriptor: nothing to flush
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

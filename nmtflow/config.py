@@ -92,6 +92,9 @@ class MultilingualConfig:
                               "(known: round_robin, uniform, weighted)")
         if self.new_langs and not self.init_checkpoint:
             raise ConfigError(f"{where}.new_langs: needs init_checkpoint (the model the languages are added to)")
+        for direction, rows in self.max_sentences.items():
+            if rows < 1:
+                raise ConfigError(f"{where}.max_sentences.{direction}: must be >= 1, got {rows}")
 
 
 @dataclass
@@ -106,6 +109,11 @@ class DataConfig:
     max_tokens: int = 4096  # padded tokens per batch (source or target, whichever is longer)
     max_sentences: int | None = None
     multilingual: MultilingualConfig | None = None  # many directions at once (src_lang/tgt_lang then unused)
+
+    def validate(self, where: str) -> None:
+        if self.max_tokens < 1 or (self.max_sentences is not None and self.max_sentences < 1):
+            raise ConfigError(f"{where}: max_tokens and max_sentences must be >= 1 "
+                              f"(got {self.max_tokens}, {self.max_sentences})")
 
 
 @dataclass

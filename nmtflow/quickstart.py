@@ -43,7 +43,9 @@ def run_quickstart(workdir: Path, minutes: float = 6.0, threads: int | None = No
     if threads:
         overrides.append(f"train.threads={threads}")
     config = load_config(data=QUICKSTART_CONFIG, overrides=overrides)
-    Trainer(config).train()
+    stopped = Trainer(config).train().progress.stopped
+    if stopped.startswith("interrupted"):  # Ctrl-C: the checkpoint is saved; the same command continues
+        raise KeyboardInterrupt
 
     translator = Translator.from_checkpoint(workdir / "model" / "checkpoint_best.pt")
     sources = (corpus / "test.en").read_text(encoding="utf-8").splitlines()

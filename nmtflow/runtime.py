@@ -22,6 +22,14 @@ _applied: bool | None = None
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision → autocast dtype
 
 
+def new_file_mode() -> int:
+    """The permissions ``open()`` gives a new file (``0o666`` less the umask), for files written via a temporary
+    file, which ``tempfile.mkstemp`` creates 0600."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def keep_freed_memory() -> bool:
     """Have glibc's malloc keep freed memory for reuse instead of unmapping it; True if in effect.
 

@@ -95,10 +95,10 @@ def test_resuming_with_another_vocabulary_model_or_direction(run_dir: Path, copy
                          "checkpoint_last.pt", capsys)
     assert "'transformer'" in err and "'convs2s'" in err
     err = one_line_error([*train, "--set", "model.d_model=64"], "checkpoint_last.pt", capsys)
-    assert "cannot resume" in err and "size mismatch" in err
+    assert "trained with other settings (model.d_model: 32 → 64)" in err
     err = one_line_error([*train, "--set", "data.src_lang=tgt", "--set", "data.tgt_lang=src"], "checkpoint_last.pt",
                          capsys)
-    assert "src→tgt" in err
+    assert "data.src_lang: 'src' → 'tgt'; data.tgt_lang: 'tgt' → 'src'" in err
     assert main([*train, "--set", "train.max_updates=1"]) == 0  # the run itself still resumes (and is done)
 
 
@@ -199,3 +199,18 @@ def test_a_sentence_longer_than_the_model_stops_training_before_it_starts(tmp_pa
     err = one_line_error(["train", str(tmp_path / "run.yaml"), "--set", "data.train_split=valid",
                           "--set", "data.valid_split=''"], "valid.src row 7", capsys)
     assert "--max-len" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["corpus", "OUT", "--train", "-5"], "--train: the number of train sentences must be >= 1"),
+    (["prepare", "--train", "corpus/train", "--langs", "en", "de", "--out", "OUT", "--split", "test"],
+     "--split 'test': expected NAME=PREFIX"),
+    (["prepare", "--train", "corpus/train", "--valid", "v", "--langs", "en", "de", "--out", "OUT", "--split",
+      "valid=x"], "the valid split is already given"),
+    (["info", str(REPO / "configs" / "transformer-small.yaml"), "--set", "data.max_tokens=0"], "max_tokens"),
+])
+def test_bad_counts_and_split_options(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                                      message: str) -> None:
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    err = one_line_error(args, message.split(":")[0], capsys)
+    assert message in err and not (tmp_path / "out").exists()

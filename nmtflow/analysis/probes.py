@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from nmtflow.analysis import plots
 from nmtflow.analysis.report import write_json
-from nmtflow.analysis.states import Model, iter_states, load_models, sentence_rows
+from nmtflow.analysis.states import Model, check_limits, iter_states, load_models, sentence_rows
 from nmtflow.data.vocab import BOS, EOS
 
 log = logging.getLogger("nmtflow.analysis")
@@ -45,6 +45,14 @@ class ProbeConfig:
     max_sentences: int | None = 2000  # sentences of the split used (a seeded random choice)
     max_tokens: int = 4000  # tokens per batch when running the frozen model
     seed: int = 1
+
+    def validate(self) -> None:
+        """One-line errors for settings that cannot work (named as the options of ``nmtflow analyze probe``)."""
+        if not 0.0 < self.holdout < 1.0:
+            raise ValueError(f"--holdout: the share of sentences held out must be between 0 and 1, got {self.holdout}")
+        if self.epochs < 1:
+            raise ValueError(f"--epochs: must be >= 1, got {self.epochs}")
+        check_limits(self.max_sentences, self.max_tokens)
 
 
 def lexical_probe(d_model: int, classes: int, cfg: ProbeConfig) -> nn.Module:
@@ -113,6 +121,7 @@ def run_probes(checkpoints: Sequence[str | Path], data: str | Path, out_dir: str
                cfg: ProbeConfig | None = None) -> dict[str, Any]:
     """Probe every checkpoint on the same sentences; write ``probes.json`` and ``probes.png`` to ``out_dir``."""
     cfg = cfg or ProbeConfig()
+    cfg.validate()
     models = load_models(checkpoints, data, split, labels, device)
     result = {"analysis": "probe", "data": str(data), "split": split, "settings": asdict(cfg),
               "layers": "0 = embeddings E; n = output of layer n", "metric": "held-out accuracy",

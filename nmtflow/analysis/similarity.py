@@ -18,7 +18,7 @@ from torch import Tensor
 
 from nmtflow.analysis import plots
 from nmtflow.analysis.report import write_json
-from nmtflow.analysis.states import Model, iter_states, load_models, sentence_rows
+from nmtflow.analysis.states import Model, check_limits, iter_states, load_models, sentence_rows
 
 SIDES = ("encoder", "decoder")
 
@@ -28,6 +28,9 @@ class SimilarityConfig:
     max_sentences: int | None = 2000  # sentences of the split used (a seeded random choice)
     max_tokens: int = 4000  # tokens per batch when running the frozen model
     seed: int = 1
+
+    def validate(self) -> None:
+        check_limits(self.max_sentences, self.max_tokens)
 
 
 class Moments:
@@ -86,6 +89,7 @@ def run_similarity(checkpoints: Sequence[str | Path], data: str | Path, out_dir:
                    cfg: SimilarityConfig | None = None) -> dict[str, Any]:
     """Write ``similarity.json``, ``similarity.png`` and (when a model has shortcuts) ``gates.png``."""
     cfg = cfg or SimilarityConfig()
+    cfg.validate()
     models = load_models(checkpoints, data, split, labels, device)
     result = {"analysis": "similarity", "data": str(data), "split": split, "settings": asdict(cfg),
               "layers": "0 = embeddings E; n = output of layer n", "metric": "mean cosine similarity to E",
@@ -99,5 +103,7 @@ def run_similarity(checkpoints: Sequence[str | Path], data: str | Path, out_dir:
     if gates:
         files.append(out / "gates.png")
         plots.plot_gates(gates, files[-1])
+    else:  # not a stale plot of an earlier analysis in the same directory
+        (out / "gates.png").unlink(missing_ok=True)
     result["files"] = [str(f) for f in files]
     return result

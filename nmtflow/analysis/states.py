@@ -19,9 +19,11 @@ from torch import Tensor
 from nmtflow.data.bitext import Bitext, open_bitext, tokenizer_path
 from nmtflow.data.prepare import load_meta
 from nmtflow.data.vocab import PAD
+from nmtflow.decode.multilingual import is_multilingual
 from nmtflow.decode.translate import Translator, batches_by_length
 from nmtflow.models.base import EncoderDecoder
 from nmtflow.nn.shortcuts import ShortcutAttention
+from nmtflow.train.checkpoint import load_checkpoint
 
 
 @dataclass
@@ -63,14 +65,26 @@ def default_labels(paths: Sequence[str | Path]) -> list[str]:
 
 def load_models(paths: Sequence[str | Path], data_dir: str | Path, split: str, labels: Sequence[str] | None = None,
                 device: str | torch.device = "cpu") -> list[Model]:
-    """Load checkpoints (eval mode, frozen) and open ``split`` of ``data_dir`` in each one's language pair."""
+    """Load checkpoints (eval mode, frozen) and open ``split`` of ``data_dir`` in each one's language pair.
+
+    Bilingual checkpoints only: a multilingual one is an error. Labels (default: :func:`default_labels`) must differ.
+    """
     if labels is not None and len(labels) != len(paths):
         raise ValueError(f"{len(labels)} labels given for {len(paths)} checkpoints")
+    resolved = [Path(p).resolve() for p in paths]
+    twice = next((paths[i] for i, r in enumerate(resolved) if r in resolved[:i]), None)
+    if labels is None and twice is not None:
+        raise ValueError(f"{twice} is given twice; to analyse it twice, name each with --labels")
     labels = list(labels) if labels is not None else default_labels(paths)
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"labels must differ, got {', '.join(labels)} (name them with --labels)")
     meta = load_meta(data_dir)
     models = []
     for label, path in zip(labels, paths):
-        translator = Translator.from_checkpoint(path, device)
+        ckpt = load_checkpoint(path)
+        if is_multilingual(ckpt):
+            raise ValueError(f"{path}: a multilingual checkpoint; these analyses support bilingual checkpoints only")
+        translator = Translator.from_checkpoint(path, device, ckpt=ckpt)
         model, dc = translator.model, translator.config.data
         if not (hasattr(model, "encoder") and hasattr(getattr(model, "decoder", None), "features")):
             raise ValueError(f"{path}: the analyses need a Transformer (model {type(model).__name__})")
@@ -80,6 +94,14 @@ def load_models(paths: Sequence[str | Path], data_dir: str | Path, split: str, l
         model.requires_grad_(False)
         models.append(Model(label, Path(path), model, open_bitext(data_dir, split, dc.src_lang, dc.tgt_lang)))
     return models
+
+
+def check_limits(max_sentences: int | None, max_tokens: int) -> None:
+    """One-line errors for sentence and batch limits (named as the options of ``nmtflow analyze``)."""
+    if max_sentences is not None and max_sentences < 1:
+        raise ValueError(f"--max-sentences: must be >= 1, got {max_sentences}")
+    if max_tokens < 1:
+        raise ValueError(f"--batch-tokens: must be >= 1, got {max_tokens}")
 
 
 def sentence_rows(n: int, max_sentences: int | None, seed: int) -> np.ndarray:

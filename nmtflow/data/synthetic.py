@@ -749,6 +749,9 @@ def generate_corpus(out_dir: str | Path, langs: Sequence[str] = DEFAULT_LANGS, n
     if len(set(idx)) != len(idx):
         raise ValueError(f"duplicate language in {list(langs)}")
     sizes = {"train": n_train, "valid": n_valid, "test": n_test}
+    for split, n in sizes.items():
+        if n < (1 if split == "train" else 0):
+            raise ValueError(f"--{split}: the number of {split} sentences must be >= {int(split == 'train')}, got {n}")
     total, rows, seen = sum(sizes.values()), [], [set() for _ in SUPPORTED_LANGS]
     for tries, t in enumerate(_iter_tuples(seed)):
         if len(rows) == total:

@@ -4,18 +4,38 @@ one or more incorrect translations."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from nmtflow.data.corpus import CorpusError, iter_tsv
 
 
-def read_candidates(path: str | Path) -> list[tuple[str, str, list[str]]]:
+class Candidates(NamedTuple):
+    """One line of a candidates file."""
+
+    line: int  # 1-based line number in the file
+    source: str
+    correct: str
+    incorrect: list[str]
+
+
+def field_name(field: int) -> str:
+    """What field ``field`` (1-based) of a candidates line holds."""
+    return {1: "the source", 2: "the correct translation"}.get(field, "an incorrect translation")
+
+
+def read_candidates(path: str | Path) -> list[Candidates]:
+    """The lines of a candidates file; a line with fewer than three fields or an empty field is an error naming
+    FILE:LINE (blank lines are skipped)."""
     rows = []
     for line_no, fields in iter_tsv(path):
         if len(fields) < 3:
             raise CorpusError(path, f"expected SOURCE<TAB>CORRECT<TAB>INCORRECT…, got {len(fields)} field(s)",
                               line=line_no)
-        rows.append((fields[0], fields[1], fields[2:]))
+        empty = [k for k, text in enumerate(fields, 1) if not text.strip()]
+        if empty:
+            raise CorpusError(path, f"malformed line: field {empty[0]} ({field_name(empty[0])}) is empty "
+                                    "(expected SOURCE<TAB>CORRECT<TAB>INCORRECT…, no empty fields)", line=line_no)
+        rows.append(Candidates(line_no, fields[0], fields[1], fields[2:]))
     if not rows:
         raise CorpusError(path, "no candidates")
     return rows
@@ -24,16 +44,22 @@ def read_candidates(path: str | Path) -> list[tuple[str, str, list[str]]]:
 def contrastive_accuracy(translator: Any, path: str | Path) -> dict[str, Any]:
     """Share of sources whose correct translation scores strictly above all its incorrect ones."""
     rows = read_candidates(path)
-    sources, targets, owner = [], [], []
-    for i, (src, good, bad) in enumerate(rows):
-        for tgt in [good, *bad]:
-            sources.append(src)
+    sources, targets, origin = [], [], []  # origin: (line, field) of each scored pair's target
+    for row in rows:
+        for field, tgt in enumerate([row.correct, *row.incorrect], 2):
+            sources.append(row.source)
             targets.append(tgt)
-            owner.append(i)
-    scores = translator.score(sources, targets)
+            origin.append((row.line, field))
+
+    def where(n: int, side: str) -> str:
+        line, field = origin[n]
+        field = 1 if side == "source" else field
+        return f"{path}:{line}: field {field} ({field_name(field)})"
+
+    scores = translator.score(sources, targets, where=where)
     correct, pos = 0, 0
-    for _, _, bad in rows:
-        group = scores[pos: pos + 1 + len(bad)]
+    for row in rows:
+        group = scores[pos: pos + 1 + len(row.incorrect)]
         correct += int(all(group[0] > s for s in group[1:]))
-        pos += 1 + len(bad)
+        pos += 1 + len(row.incorrect)
     return {"accuracy": correct / len(rows), "correct": correct, "total": len(rows), "file": str(path)}

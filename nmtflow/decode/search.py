@@ -150,8 +150,9 @@ def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_p
 
 @torch.inference_mode()
 def greedy_search(model: EncoderDecoder, src: Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10,
-                  min_len: int = 0) -> list[Hypothesis]:
-    """Arg-max decoding with the same length limits as :func:`beam_search` (beam 1 gives the same output)."""
+                  min_len: int = 0, len_penalty: float = 0.6) -> list[Hypothesis]:
+    """Arg-max decoding with the same length limits as :func:`beam_search` (beam 1 gives the same output);
+    scores are length-normalised as there (``len_penalty`` does not change the output)."""
     n, device = src.size(0), src.device
     enc = model.encode(src)
     max_lens = max_output_lengths(src, max_len_a, max_len_b, _decoder_limit(model))
@@ -181,7 +182,7 @@ def greedy_search(model: EncoderDecoder, src: Tensor, *, max_len_a: float = 1.5,
             enc, state = reorder(enc, keep), reorder(state, keep)
             alive = alive[keep]
         last = best[keep].view(-1, 1)
-    return [Hypothesis(o, lp, lp) for o, lp in zip(outputs, logprob)]
+    return [Hypothesis(o, lp / length_penalty(len(o) + 1, len_penalty), lp) for o, lp in zip(outputs, logprob)]
 
 
 @torch.no_grad()

@@ -1,12 +1,16 @@
 """Text in, text out: tokenise, batch by length, search, detokenise — for files, stdin and validation."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import os
+import stat
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TextIO
 
 import numpy as np
 import torch
@@ -16,6 +20,7 @@ from nmtflow.data.batching import collate
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.search import Hypothesis, beam_search, greedy_search, sequence_logprobs
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model
+from nmtflow.runtime import new_file_mode
 from nmtflow.train.checkpoint import CheckpointError, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -37,6 +42,42 @@ def bytes_tensor(path: str | Path) -> torch.Tensor:
     return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).clone()
 
 
+@contextlib.contextmanager
+def output_file(path: str | Path | None) -> Iterator[TextIO]:
+    """A text file that replaces ``path`` only when the block succeeds (stdout for None).
+
+    It is written beside ``path`` under a temporary name, renamed over it at the end and removed on failure, so a
+    failed run leaves an existing ``path`` as it was. A ``path`` that is not a regular file (``/dev/stdout``, a
+    FIFO) is written directly.
+    """
+    if path is None:
+        yield sys.stdout
+        return
+    target = Path(os.path.realpath(path))  # through a symbolic link: replace what it points to
+    if target.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory")
+    if target.exists() and not target.is_file():
+        with open(target, "w", encoding="utf-8") as out:
+            yield out
+        return
+    try:
+        mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise OSError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    if mode is None:  # a new file: the permissions open() would give it
+        mode = new_file_mode()
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            yield out
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def batches_by_length(lengths: list[int], max_tokens: int) -> Iterator[list[int]]:
     """Indices sorted by length, cut so that (longest + 2) · rows ≤ max_tokens (at least one row)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -48,6 +89,16 @@ def batches_by_length(lengths: list[int], max_tokens: int) -> Iterator[list[int]
         batch.append(i)
     if batch:
         yield batch
+
+
+def source_positions(model: EncoderDecoder) -> int | None:
+    """Positions a source may take (EOS and any prefix tag included); None where positions do not bound it."""
+    cfg = model.config
+    cfg = getattr(cfg, "backbone", cfg)  # a language-label model: its backbone's
+    limit = getattr(cfg, "max_positions", None)
+    if not isinstance(limit, int) or not getattr(cfg, "POSITIONS_BOUND_LENGTH", True):
+        return None
+    return limit
 
 
 @dataclass
@@ -85,19 +136,35 @@ class Translator:
         model.to(device).eval()
         return cls(model, src_tok, tgt_tok, decode or config.decode, config)
 
-    def encode_source(self, lines: list[str]) -> list[list[int]]:
+    @property
+    def max_source_tokens(self) -> int:
+        """Pieces of a source a translation reads: ``decode.max_input_tokens``, fewer where the model's positions
+        (EOS and any ``src_prefix`` tag included) hold fewer."""
+        positions = source_positions(self.model)
+        if positions is None:
+            return self.decode.max_input_tokens
+        return max(0, min(self.decode.max_input_tokens, positions - 1 - (self.src_prefix is not None)))
+
+    def encode_source(self, lines: list[str], *, first_line: int = 1, name: str | None = None) -> list[list[int]]:
+        """Sentences → source ids, each cut to :attr:`max_source_tokens` with a warning naming its line
+        (``first_line``: the line number of ``lines[0]`` in its input, ``name``: the input's file, if any)."""
         ids = self.src_tokenizer.encode_batch(lines)
-        limit = self.decode.max_input_tokens
+        limit = self.max_source_tokens
+        reason = ("decode.max_input_tokens" if limit == self.decode.max_input_tokens
+                  else f"the model's max_positions={source_positions(self.model)}")
         for n, seq in enumerate(ids):
             if len(seq) > limit:
-                log.warning("input line %d has %d tokens; truncated to %d", n + 1, len(seq), limit)
+                line = first_line + n
+                where = f"{name}:{line}: input line {line}" if name else f"input line {line}"
+                log.warning("%s has %d tokens; truncated to %d (%s)", where, len(seq), limit, reason)
                 ids[n] = seq[:limit]
         return ids
 
     def search(self, src: torch.Tensor) -> list[list[Hypothesis]]:
         d = self.decode
         if d.greedy or (d.beam_size == 1 and d.nbest == 1):
-            return [[h] for h in greedy_search(self.model, src, max_len_a=d.max_len_a, max_len_b=d.max_len_b)]
+            return [[h] for h in greedy_search(self.model, src, max_len_a=d.max_len_a, max_len_b=d.max_len_b,
+                                               len_penalty=d.len_penalty)]
         return beam_search(self.model, src, beam_size=d.beam_size, len_penalty=d.len_penalty,
                            max_len_a=d.max_len_a, max_len_b=d.max_len_b, nbest=d.nbest)
 
@@ -114,31 +181,60 @@ class Translator:
                 results[r] = hyps
         return results
 
-    def translate(self, lines: list[str]) -> list[list[tuple[str, float]]]:
-        """Sentences → n-best (detokenised text, score) lists, in input order."""
-        hyps = self.translate_ids(self.encode_source(lines))
+    def translate(self, lines: list[str], *, first_line: int = 1,
+                  name: str | None = None) -> list[list[tuple[str, float]]]:
+        """Sentences → n-best (detokenised text, score) lists, in input order (``first_line``, ``name``: where
+        ``lines`` come from, for truncation warnings)."""
+        hyps = self.translate_ids(self.encode_source(lines, first_line=first_line, name=name))
         return [[(self.tgt_tokenizer.decode(h.tokens), h.score) for h in nbest] for nbest in hyps]
 
-    def translate_stream(self, lines: Iterable[str], chunk: int = 1000) -> Iterator[list[tuple[str, float]]]:
-        """Translate an iterable chunk by chunk (``chunk=1`` answers each line as it arrives)."""
+    def translate_stream(self, lines: Iterable[str], chunk: int = 1000, *,
+                         name: str | None = None) -> Iterator[list[tuple[str, float]]]:
+        """Translate an iterable chunk by chunk (``chunk=1`` answers each line as it arrives); warnings name
+        the line of the whole input (and ``name``, the input's file)."""
         buf: list[str] = []
+        first_line = 1
         for line in lines:
             buf.append(line.rstrip("\r\n"))
             if len(buf) >= chunk:
-                yield from self.translate(buf)
+                yield from self.translate(buf, first_line=first_line, name=name)
+                first_line += len(buf)
                 buf = []
         if buf:
-            yield from self.translate(buf)
+            yield from self.translate(buf, first_line=first_line, name=name)
 
     @torch.no_grad()
-    def score(self, sources: list[str], targets: list[str], files: tuple[str, str] | None = None) -> list[float]:
-        """log P(target | source) per pair (natural log, EOS included); ``files`` name the inputs in errors."""
-        src_ids, tgt_ids = self.encode_source(sources), self.tgt_tokenizer.encode_batch(targets)
+    def score(self, sources: list[str], targets: list[str], files: tuple[str, str] | None = None, *,
+              where: Callable[[int, str], str] | None = None) -> list[float]:
+        """log P(target | source) per pair (natural log, EOS included).
+
+        Sources are cut at ``decode.max_input_tokens`` (with a warning); a target, or a source, that does not fit
+        the model's positions is a ValueError naming it: ``where(pair, side)`` (side ``source`` | ``target``)
+        says where pair ``pair`` comes from, e.g. ``FILE:LINE: target line LINE``; ``files`` (source, target)
+        name line-aligned files that way.
+        """
+        locate = where or (lambda n, side: (f"{files[side == 'target']}:{n + 1}: " if files else "")
+                           + f"{side} line {n + 1}")
+        src_ids, warned = self.src_tokenizer.encode_batch(sources), set()
+        for n, seq in enumerate(src_ids):
+            if len(seq) > self.decode.max_input_tokens:
+                if (origin := locate(n, "source")) not in warned:  # (a source scored with many targets: once)
+                    warned.add(origin)
+                    log.warning("%s has %d tokens; truncated to %d (decode.max_input_tokens)", origin, len(seq),
+                                self.decode.max_input_tokens)
+                src_ids[n] = seq[:self.decode.max_input_tokens]
+        tgt_ids = self.tgt_tokenizer.encode_batch(targets)
+        positions = source_positions(self.model)
+        if positions is not None:
+            src_limit = positions - 1 - (self.src_prefix is not None)
+            for n, seq in enumerate(src_ids):
+                if len(seq) > src_limit:
+                    raise ValueError(f"{locate(n, 'source')} has {len(seq)} tokens; the model reads at most "
+                                     f"{src_limit} (max_positions={positions})")
         limit = int(getattr(self.model.config, "max_positions", 1 << 30)) - 1
         for n, seq in enumerate(tgt_ids):
             if len(seq) >= limit:
-                where = f"{files[1]}:{n + 1}: " if files else ""
-                raise ValueError(f"{where}target line {n + 1} has {len(seq)} tokens; the model scores at most "
+                raise ValueError(f"{locate(n, 'target')} has {len(seq)} tokens; the model scores at most "
                                  f"{limit - 1} (a target is never truncated)")
         out = [0.0] * len(sources)
         lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]

@@ -3,8 +3,9 @@
 1. the data is prepared once into ``OUT/data`` (cached; the built-in corpus is generated into ``OUT/corpus``);
 2. every (run × seed) trains into ``OUT/runs/NAME/seed-S``, each in its own process by default
    (``isolate: true``: peak memory is per run and a crash fails only that run), ``parallel: N`` of them at
-   once (taking ``devices`` in turn); a rerun skips runs with a matching ``finished.json`` and resumes
-   interrupted ones from ``checkpoint_last.pt``;
+   once (taking ``devices`` in turn); a rerun skips runs with a matching ``finished.json``, resumes
+   interrupted ones from ``checkpoint_last.pt`` and continues them under a raised budget (a run trained beyond
+   a lowered budget, or on other data, is an error); changed decode settings only decode again;
 3. each run's checkpoint (best, last or the average of the last N) decodes the test set(s); BLEU and chrF;
 4. ``OUT/results.md`` (one table), ``OUT/results.json`` and PNG plots (``nmtflow.evaluate.compare_report``).
 
@@ -31,16 +32,20 @@ import yaml
 
 from nmtflow.config import Config, ConfigError, load_config, to_dict
 from nmtflow.train.trainer import on_signals
-from nmtflow.evaluate.compare_job import (EXIT_INTERRUPTED, FINISHED, Interrupted, read_json, run_job,
-                                          write_json)
+from nmtflow.evaluate.compare_job import (EXIT_INTERRUPTED, FINISHED, TRAINED, Interrupted, beyond_budget,
+                                          read_json, run_job, write_json)
 from nmtflow.evaluate.experiment import ExperimentConfig, load_experiment, parse_direction, resolve_config_path
 
 log = logging.getLogger("nmtflow.compare")
 DATA_KEY = "experiment-data.json"
-# config entries that may change without invalidating a trained run (the budget is checked separately)
-VOLATILE = {("train", "save_dir"), ("train", "max_updates"), ("train", "max_epochs"), ("train", "max_minutes"),
-            ("train", "device"), ("train", "threads"), ("train", "progress"), ("train", "keep_checkpoints"),
-            ("data", "path")}
+DATA_IDENTITY = "data-identity.json"  # in OUT: the prepared data its runs were trained on
+# config entries that may change without invalidating a trained run (the budget is checked separately): paths,
+# budget, device, logging, and the decode section (test decoding is keyed by the job's eval_key instead)
+LEGACY_VOLATILE = {("train", "save_dir"), ("train", "max_updates"), ("train", "max_epochs"),
+                   ("train", "max_minutes"), ("train", "device"), ("train", "threads"), ("train", "progress"),
+                   ("train", "keep_checkpoints"), ("data", "path")}
+VOLATILE = LEGACY_VOLATILE | {("train", "log_every")}
+VOLATILE_SECTIONS = {"decode"}
 
 
 @dataclass
@@ -124,11 +129,60 @@ def prepare_data(exp: ExperimentConfig, out: Path) -> PreparedData:
     return PreparedData(data_dir.resolve(), texts)
 
 
+def data_identity(data_dir: Path) -> str:
+    """A hash of a prepared directory's contents: meta.json without source paths, the tokenizer models (without
+    file names) and the sizes of the binarized splits (the same for the same data prepared again, anywhere)."""
+    from nmtflow.data.tokenizer import canonical_model
+
+    meta = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))
+    meta.pop("source_files", None)
+    h = hashlib.sha1(json.dumps(meta, sort_keys=True).encode())
+    for name in sorted(set(meta.get("tokenizers", {}).values())):
+        h.update(name.encode() + b"\0" + canonical_model((data_dir / name).read_bytes()))
+    for split in sorted(meta.get("splits", {})):
+        for lang in meta.get("langs", []):
+            for ext in ("bin", "idx"):
+                f = data_dir / f"{split}.{lang}.{ext}"
+                h.update(f"{f.name}={f.stat().st_size if f.is_file() else -1};".encode())
+    return h.hexdigest()[:16]
+
+
+def _previous_data(out: Path) -> dict[str, Any] | None:
+    """``{"identity", "dir"}`` of the data the runs in ``out`` were trained on, where known."""
+    state = read_json(out / DATA_IDENTITY)
+    if state or not _runs_started(out):
+        return state
+    for run_yaml in sorted((out / "runs").glob("*/seed-*/run.yaml")):  # runs from before DATA_IDENTITY
+        try:
+            path = ((yaml.safe_load(run_yaml.read_text(encoding="utf-8")) or {}).get("data") or {}).get("path")
+            return {"identity": data_identity(Path(path)), "dir": path} if path else None
+        except Exception:  # best effort: no run.yaml to read, or its data is gone or unreadable
+            return None
+    return None
+
+
+def check_data_identity(out: Path, data: PreparedData) -> None:
+    """Runs already trained in ``out`` must have been trained on this prepared data; records it otherwise."""
+    identity = data_identity(data.dir)
+    previous = _previous_data(out)
+    if previous and previous.get("identity") != identity and _runs_started(out):
+        raise ConfigError(f"{out}: its runs were trained on data prepared with other settings (in "
+                          f"{previous.get('dir', '?')}, not {data.dir}); use another --out, or delete {out}")
+    if read_json(out / DATA_IDENTITY) != {"identity": identity, "dir": str(data.dir)}:
+        write_json(out / DATA_IDENTITY, {"identity": identity, "dir": str(data.dir)})
+
+
 # ---- planning -------------------------------------------------------------------------------------------
-def fingerprint(config: dict[str, Any]) -> str:
-    """A hash of what defines a trained run: the resolved config without paths, budget and device."""
-    kept = {section: {k: v for k, v in values.items() if (section, k) not in VOLATILE}
-            if isinstance(values, dict) else values for section, values in config.items()}
+def _volatile(key: tuple[str, ...], legacy: bool = False) -> bool:
+    return key[:2] in LEGACY_VOLATILE if legacy else key[:2] in VOLATILE or key[0] in VOLATILE_SECTIONS
+
+
+def fingerprint(config: dict[str, Any], legacy: bool = False) -> str:
+    """A hash of what defines a trained run: the resolved config without paths, budget, device, logging and
+    decode settings (``legacy``: the hash of earlier versions, which kept the decode section and log_every)."""
+    kept = {section: {k: v for k, v in values.items() if not _volatile((section, k), legacy)}
+            if isinstance(values, dict) else values for section, values in config.items()
+            if legacy or section not in VOLATILE_SECTIONS}
     return hashlib.sha1(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -178,10 +232,34 @@ def _check_previous(run_dir: Path, config_dict: dict[str, Any], fp: str) -> None
     previous = yaml.safe_load(old.read_text(encoding="utf-8")) or {}
     if fingerprint(previous) != fp:
         a, b = _flat(previous), _flat(config_dict)
-        changed = sorted(k for k in a.keys() | b.keys()
-                         if a.get(k) != b.get(k) and tuple(k.split(".")[:2]) not in VOLATILE)
+        changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _volatile(tuple(k.split("."))))
         raise ConfigError(f"{run_dir} holds a run trained with another config (changed: "
                           f"{', '.join(changed[:5]) or '?'}); use another --out or delete that directory")
+
+
+def trained_progress(run_dir: Path) -> dict[str, Any] | None:
+    """Update and epoch of the run's ``checkpoint_last.pt`` (memory-mapped: no tensor is read), else of its
+    ``trained.json``; None for a run not started."""
+    import torch
+
+    last = run_dir / "checkpoint_last.pt"
+    if last.is_file():
+        try:
+            progress = torch.load(last, map_location="cpu", weights_only=True, mmap=True).get("progress")
+            if isinstance(progress, dict):
+                return progress
+        except Exception:  # unreadable: training reports it with the file's name
+            pass
+    return read_json(run_dir / TRAINED)
+
+
+def _check_budget(run_dir: Path, budget: dict[str, Any]) -> None:
+    """A run trained past the (lowered) budget cannot be reported under it."""
+    progress = trained_progress(run_dir)
+    beyond = beyond_budget(progress, budget) if progress else None
+    if beyond:
+        raise ConfigError(f"{run_dir}: the run trained beyond the budget ({beyond}); use another --out, or "
+                          "delete that run's directory to train it again")
 
 
 def decode_items(exp: ExperimentConfig, data: PreparedData, multilingual: bool) -> list[dict[str, Any]]:
@@ -199,6 +277,12 @@ def decode_items(exp: ExperimentConfig, data: PreparedData, multilingual: bool) 
     return items
 
 
+def _eval_key(ev: dict[str, Any]) -> str:
+    """A hash of what a run's test decoding depends on (the test items by name)."""
+    key = {**ev, "items": [i["key"] for i in ev["items"]]}
+    return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
               plugins: list[str] | None = None) -> list[dict[str, Any]]:
     """One job per (run, seed), in run order; fails early if a run directory holds another config's run."""
@@ -210,25 +294,30 @@ def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
             config_dict = to_dict(config)
             fp = fingerprint(config_dict)
             _check_previous(run_dir, config_dict, fp)
+            _check_budget(run_dir, to_dict(exp.budget))
             multilingual = config.data.multilingual is not None
             items = decode_items(exp, data, multilingual)
             ev = {"checkpoint": exp.checkpoint, "average_last": exp.average_last,
                   "search": exp.decode.search_overrides(), "max_sentences": exp.decode.max_sentences, "items": items}
-            eval_key = hashlib.sha1(json.dumps({**ev, "items": [i["key"] for i in items]}, sort_keys=True)
-                                    .encode()).hexdigest()[:16]
+            # earlier versions decoded with the checkpoint's decode section, which their fingerprint pinned
+            legacy = {"fingerprint": fingerprint(config_dict, legacy=True), "eval_key": _eval_key(ev)}
+            ev["decode"] = config_dict.get("decode")  # the run's decode section: it may change after training
             jobs.append({"run": run.name, "seed": seed, "dir": str(run_dir), "config": str(run_dir / "run.yaml"),
                          "config_source": str(resolve_config_path(run.config, exp.file)),
-                         "fingerprint": fp, "budget": to_dict(exp.budget), "eval": ev, "eval_key": eval_key,
-                         "multilingual": multilingual, "device": config.train.device, "threads": exp.threads,
-                         "plugins": list(plugins or []), "_config": config_dict})
+                         "fingerprint": fp, "budget": to_dict(exp.budget), "eval": ev, "eval_key": _eval_key(ev),
+                         "legacy": legacy, "multilingual": multilingual, "device": config.train.device,
+                         "threads": exp.threads, "plugins": list(plugins or []), "_config": config_dict})
     return jobs
 
 
 def finished_result(job: dict[str, Any]) -> dict[str, Any] | None:
     """The run's ``finished.json`` if it belongs to this config, budget and evaluation."""
     done = read_json(Path(job["dir"]) / FINISHED)
-    if done and all(done.get(k) == job[k] for k in ("fingerprint", "budget", "eval_key")):
-        return done
+    if not done or done.get("budget") != job["budget"]:
+        return None
+    for keys in (job, job.get("legacy") or {}):
+        if keys and all(done.get(k) == keys.get(k) for k in ("fingerprint", "eval_key")):
+            return done
     return None
 
 
@@ -370,6 +459,7 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
                           *(["--only", ",".join(only)] if only else [])])
     out.mkdir(parents=True, exist_ok=True)
     data = prepare_data(exp, out)
+    check_data_identity(out, data)
     jobs = plan_jobs(exp, out, data, plugins)
     log.info("comparing %d runs × %d seeds (%s) in %s", len(exp.runs), len(exp.seeds), exp.budget.describe(), out)
     interrupted = False

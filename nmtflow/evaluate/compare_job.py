@@ -83,6 +83,16 @@ def train(config: Any) -> Any:
     return trainer_cls(config).train()
 
 
+def beyond_budget(progress: dict[str, Any], budget: dict[str, Any]) -> str | None:
+    """How a run's ``progress`` (update, epoch: the epoch under way) exceeds ``budget``; None if it does not."""
+    update, epoch = progress.get("update"), progress.get("epoch")
+    if budget.get("updates") is not None and update is not None and update > budget["updates"]:
+        return f"{update} updates, budget {budget['updates']}"
+    if budget.get("epochs") is not None and epoch is not None and epoch - 1 > budget["epochs"]:
+        return f"{epoch - 1} epochs, budget {budget['epochs']}"
+    return None
+
+
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     """Train unless ``trained.json`` matches, then decode and score; writes and returns ``finished.json``."""
     from nmtflow.config import load_config
@@ -95,11 +105,20 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trained = read_json(run_dir / TRAINED)
-    if not (trained and trained["fingerprint"] == job["fingerprint"] and trained["budget"] == job["budget"]):
+    fingerprints = (job["fingerprint"], job.get("legacy", {}).get("fingerprint"))
+    if trained and trained.get("fingerprint") in fingerprints and trained.get("budget") == job["budget"]:
+        if trained["fingerprint"] != job["fingerprint"]:  # recorded before the fingerprint left out decode
+            trained["fingerprint"] = job["fingerprint"]
+            write_json(run_dir / TRAINED, trained)
+    else:
         result = train(load_config(job["config"]))
         if result.progress.stopped.startswith("interrupted"):
             raise Interrupted(result.progress.stopped)
         p = result.progress
+        beyond = beyond_budget(vars(p), job["budget"])
+        if beyond:  # the comparison checks this before it starts a run; a lowered budget cannot undo training
+            raise ValueError(f"{run_dir}: the run trained beyond the budget ({beyond}); use another --out, or "
+                             "delete that run's directory")
         trained = {"fingerprint": job["fingerprint"], "budget": job["budget"], "update": p.update, "epoch": p.epoch,
                    "stopped": p.stopped, "train_seconds": p.elapsed, "train_tokens_per_s": train_tokens_per_s(run_dir),
                    "peak_rss_mb": max(peak_rss_mb(), (trained or {}).get("peak_rss_mb") or 0.0),
@@ -121,6 +140,9 @@ def checkpoint_to_decode(run_dir: Path, choice: str, average_last: int | None) -
     last, best = run_dir / "checkpoint_last.pt", run_dir / "checkpoint_best.pt"
     if choice == "averaged":
         found = periodic_checkpoints(run_dir)[-(average_last or 1):]
+        if found and len(found) < (average_last or 1):
+            log.warning("%s: average_last is %d but only %d periodic checkpoint(s) are there; averaging %s",
+                        run_dir, average_last, len(found), ", ".join(p.name for p in found))
         if found:
             save_atomic(average_checkpoints(found), run_dir / "averaged.pt")
             return run_dir / "averaged.pt", [p.name for p in found]
@@ -152,6 +174,14 @@ def load_texts(item: dict[str, Any], max_sentences: int | None) -> tuple[list[st
     return src[:n], ref[:n]
 
 
+def run_decode(ev: dict[str, Any], saved: Any) -> Any:
+    """The run's current ``decode`` section (it may have changed since training), else the checkpoint's."""
+    if ev.get("decode") is None:
+        return saved
+    known = {f.name for f in dataclasses.fields(saved)}
+    return dataclasses.replace(saved, **{k: v for k, v in ev["decode"].items() if k in known})
+
+
 def evaluate(job: dict[str, Any]) -> dict[str, Any]:
     """Decode every test item with the chosen checkpoint; BLEU, chrF, sentences/s and parameters."""
     from nmtflow.decode.translate import Translator
@@ -167,11 +197,11 @@ def evaluate(job: dict[str, Any]) -> dict[str, Any]:
         from nmtflow.decode.multilingual import load_multilingual
 
         ckpt = load_multilingual(path, device)
-        decode = dataclasses.replace(ckpt.config.decode, **ev["search"])
+        decode = dataclasses.replace(run_decode(ev, ckpt.config.decode), **ev["search"])
         model, translator_for = ckpt.model, lambda s, t: ckpt.translator(s, t, decode)
     else:
         translator = Translator.from_checkpoint(path, device)
-        translator.decode = dataclasses.replace(translator.decode, **ev["search"])
+        translator.decode = dataclasses.replace(run_decode(ev, translator.decode), **ev["search"])
         model, translator_for = translator.model, lambda s, t: translator
     scores: dict[str, dict[str, Any]] = {}
     for item in ev["items"]:

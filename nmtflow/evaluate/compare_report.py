@@ -78,7 +78,7 @@ def summarize(exp: ExperimentConfig, outcomes: list[dict[str, Any]]) -> list[dic
 def _fmt_score(s: dict[str, Any] | None, runs_seeds: int, with_std: bool = True) -> str:
     if not s:
         return "–"
-    text = f"{s['mean']:.2f}" + (f" ± {s['std']:.2f}" if with_std and runs_seeds > 1 else "")
+    text = f"{s['mean']:.2f}" + (f" ± {s['std']:.2f}" if with_std and s["n"] > 1 else "")
     return text + (f" (n={s['n']})" if s["n"] < runs_seeds else "")
 
 
@@ -90,6 +90,20 @@ def _fmt_time(seconds: float | None) -> str:
 
 def _fmt(value: float | None, spec: str, unit: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{unit}"
+
+
+def averaging_note(exp: ExperimentConfig, runs: list[dict[str, Any]]) -> str:
+    """What was averaged: ``average_last``, or the numbers of checkpoints the runs had where they had fewer."""
+    n = exp.average_last
+    counts = sorted({len(s["result"].get("averaged_from") or []) for r in runs for s in r["seeds"] if s["result"]})
+    if not counts or counts == [n]:
+        return f" (average of the last {n})"
+    if counts == [0]:
+        return f" (average_last {n}, but no periodic checkpoints were saved: `checkpoint_last.pt` decoded)"
+    if len(counts) == 1:
+        return f" (average_last {n}, but only {counts[0]} periodic checkpoints were kept: the average of those)"
+    return (f" (average_last {n}; runs averaged {', '.join(map(str, counts))} checkpoints: see averaged_from in "
+            "results.json)")
 
 
 def markdown_table(exp: ExperimentConfig, runs: list[dict[str, Any]]) -> str:
@@ -142,8 +156,8 @@ def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]
         f"- budget: {exp.budget.describe()}; seeds: {', '.join(map(str, exp.seeds))}",
         f"- data: {source}, {', '.join(d.directions)}"
         + (f" (zero-shot {', '.join(d.zero_shot)})" if d.zero_shot else "") + f"; test set(s): {evals}",
-        f"- decoding: checkpoint `{exp.checkpoint}`" + (f" (average of the last {exp.average_last})"
-                                                        if exp.checkpoint == "averaged" else "")
+        f"- decoding: checkpoint `{exp.checkpoint}`" + (averaging_note(exp, runs) if exp.checkpoint == "averaged"
+                                                        else "")
         + (", " + ", ".join(f"{k} {v}" for k, v in search.items()) if search else ", each run's decode settings")
         + (f", first {exp.decode.max_sentences} sentences" if exp.decode.max_sentences else ""),
         f"- {memory}; wall time: training loop (validation included)", "",

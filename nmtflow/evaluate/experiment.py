@@ -113,6 +113,10 @@ class Budget:
     def validate(self, where: str) -> None:
         if self.updates is None and self.epochs is None and self.minutes is None:
             raise ConfigError(f"{where}: set updates, epochs or minutes (the equal budget of every run)")
+        for name in ("updates", "epochs", "minutes"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{where}.{name}: must be > 0 (or null), got {value}")
 
     def describe(self) -> str:
         parts = ([f"{self.updates} updates"] if self.updates is not None else []) + \

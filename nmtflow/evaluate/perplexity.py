@@ -9,13 +9,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from nmtflow.data.batching import TokenBatchSampler
 from nmtflow.data.bitext import Bitext, open_bitext
 from nmtflow.data.prepare import load_meta
 from nmtflow.data.tokenizer import same_model
-from nmtflow.decode.translate import Translator
+from nmtflow.decode.translate import Translator, source_positions
 from nmtflow.evaluate.metrics import perplexity
 from nmtflow.models.base import EncoderDecoder, device_of
 from nmtflow.train.loss import label_smoothed_nll
@@ -34,7 +35,8 @@ def corpus_perplexity(model: EncoderDecoder, data: Bitext, max_tokens: int = 409
     """Teacher-forced NLL of every target token of ``data`` under ``model`` (in eval mode)."""
     model.eval()
     device = device_of(model)
-    sampler = TokenBatchSampler(data.src.sizes, data.tgt.sizes, max_tokens, shuffle=False)
+    sampler = TokenBatchSampler(data.src.sizes, data.tgt.sizes, max_tokens, shuffle=False,
+                                src_prefix_len=int(data.src_prefix is not None))
     nll_sum, tokens = 0.0, 0
     for idx in sampler.batches(1):
         b = data.batch(idx).to(device)
@@ -45,27 +47,65 @@ def corpus_perplexity(model: EncoderDecoder, data: Bitext, max_tokens: int = 409
 
 
 def checkpoint_perplexity(checkpoint: str | Path, data_dir: str | Path, split: str = "valid", *,
-                          max_tokens: int | None = None, device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Perplexity of a checkpoint on ``data_dir``'s ``split``, in the checkpoint's language direction.
+                          max_tokens: int | None = None, device: str | torch.device = "cpu",
+                          src_lang: str | None = None, tgt_lang: str | None = None) -> dict[str, Any]:
+    """Perplexity of a checkpoint on ``data_dir``'s ``split``, in the checkpoint's language direction, or in
+    ``src_lang → tgt_lang`` (a direction of a multilingual checkpoint; a bilingual one accepts its own).
 
     The data must be tokenised with the checkpoint's own SentencePiece model (else the ids mean other pieces).
     """
-    translator = Translator.from_checkpoint(checkpoint, device)
+    if src_lang or tgt_lang:
+        from nmtflow.decode.multilingual import multilingual_translator
+
+        if not (src_lang and tgt_lang):
+            raise ValueError("name both --src-lang and --tgt-lang (a direction of a multilingual model)")
+        translator = multilingual_translator(checkpoint, src_lang, tgt_lang, device)
+    else:
+        translator = Translator.from_checkpoint(checkpoint, device)
+    direction = translator_direction(translator)
     data = open_checkpoint_data(translator, data_dir, split, checkpoint=checkpoint)
+    check_positions(translator, data, data_dir, split)
     cfg = translator.config
     assert cfg is not None
     result = corpus_perplexity(translator.model, data, max_tokens or cfg.data.max_tokens)
-    return {"split": split, "direction": f"{cfg.data.src_lang}-{cfg.data.tgt_lang}", **asdict(result)}
+    return {"split": split, "direction": "-".join(direction), **asdict(result)}
+
+
+def translator_direction(translator: Translator) -> tuple[str, str]:
+    """(source, target) language of a translator: its direction of a multilingual model, else its config's."""
+    src, tgt = getattr(translator.model, "src_lang", None), getattr(translator.model, "tgt_lang", None)
+    if src and tgt:
+        return src, tgt
+    cfg = translator.config
+    assert cfg is not None
+    return cfg.data.src_lang, cfg.data.tgt_lang
+
+
+def check_positions(translator: Translator, data: Bitext, data_dir: str | Path, split: str) -> None:
+    """A sentence longer than the model's positions is an error naming its row (perplexity never truncates)."""
+    positions = source_positions(translator.model)
+    if positions is None:
+        return
+    src_lang, tgt_lang = translator_direction(translator)
+    for lang, sizes, extra in ((src_lang, data.src.sizes, 1 + (data.src_prefix is not None)),
+                               (tgt_lang, data.tgt.sizes, 1)):
+        too_long = np.flatnonzero(np.asarray(sizes) + extra > positions)
+        if too_long.size:
+            row = int(too_long[0])
+            others = f" ({too_long.size - 1} more after it)" if too_long.size > 1 else ""
+            raise ValueError(f"{data_dir}: {split}.{lang} row {row + 1}: a sentence of {int(sizes[row]) + extra} "
+                             f"positions{others} does not fit the model's max_positions={positions} (perplexity "
+                             "scores whole sentences only)")
 
 
 def open_checkpoint_data(translator: Translator, data_dir: str | Path, split: str, *,
                          checkpoint: str | Path = "the checkpoint") -> Bitext:
-    """``split`` of ``data_dir`` in the checkpoint's direction, after checking it shares its tokenizers."""
-    cfg = translator.config
-    assert cfg is not None
+    """``split`` of ``data_dir`` in the translator's direction, after checking it shares its tokenizers; sources
+    start with the translator's ``src_prefix`` (a language-label model's tag), if any."""
     meta = load_meta(data_dir)
-    src, tgt = cfg.data.src_lang, cfg.data.tgt_lang
+    src, tgt = translator_direction(translator)
     data = open_bitext(data_dir, split, src, tgt)
+    data.src_prefix = translator.src_prefix
     for lang, tok in ((src, translator.src_tokenizer), (tgt, translator.tgt_tokenizer)):
         if not same_model((Path(data_dir) / meta["tokenizers"][lang]).read_bytes(), Path(tok.path).read_bytes()):
             raise ValueError(f"{data_dir}: its {lang} vocabulary ({meta['tokenizers'][lang]}) is not the one "

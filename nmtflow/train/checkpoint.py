@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from nmtflow.data.tokenizer import same_model
+from nmtflow.runtime import new_file_mode
+
 FORMAT = "nmtflow-1"
 
 
@@ -23,18 +26,26 @@ class CheckpointError(ValueError):
 
 
 def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
-    """torch.save to a temporary file in the same directory, fsync, then rename over ``path``."""
+    """torch.save to a temporary file in the same directory, fsync, then rename over ``path``.
+
+    The file gets the permissions of any new file (``0o666`` less the umask), not the temporary file's 0600.
+    A failed write (a full disk, say) leaves ``path`` as it was and raises an ``OSError`` naming it.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as handle:
             torch.save(obj, handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise OSError(f"{path}: could not write the checkpoint ({reason[:200]})") from None
         raise
 
 
@@ -68,10 +79,14 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
     if not paths:
         raise CheckpointError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}
+    first: dict[str, Any] = {}
     for p in paths:
-        model = load_checkpoint(p)["model"]
-        if total and model.keys() != total.keys():
-            raise CheckpointError(f"{p}: parameters differ from {paths[0]}; cannot average different models")
+        ckpt = load_checkpoint(p)
+        model = ckpt["model"]
+        if not first:
+            first = ckpt
+        else:
+            _check_same_model(first, ckpt, paths[0], p)
         for k, v in model.items():
             v = v.double() if v.is_floating_point() else v
             total[k] = total[k] + v if k in total and v.is_floating_point() else v
@@ -82,3 +97,23 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
     keep["model"] = averaged
     keep["averaged_from"] = [str(p) for p in paths]
     return keep
+
+
+def _check_same_model(first: dict[str, Any], other: dict[str, Any], first_path: Path, path: Path) -> None:
+    """Checkpoints can be averaged only if they hold the same model: parameters, shapes, config and vocabulary."""
+    a, b = first["model"], other["model"]
+    problem = None
+    if a.keys() != b.keys():
+        problem = "parameters differ"
+    elif (k := next((k for k in a if a[k].shape != b[k].shape), None)) is not None:
+        problem = f"{k} has shape {tuple(b[k].shape)}, not {tuple(a[k].shape)}"
+    elif (first.get("config") or {}).get("model") != (other.get("config") or {}).get("model"):
+        problem = "the model config differs"
+    elif first.get("vocab") != other.get("vocab") or first.get("langs") != other.get("langs"):
+        problem = "the vocabulary or languages differ"
+    else:
+        ta, tb = first.get("tokenizers") or {}, other.get("tokenizers") or {}
+        if ta.keys() != tb.keys() or any(not same_model(ta[k].numpy().tobytes(), tb[k].numpy().tobytes()) for k in ta):
+            problem = "the SentencePiece models differ"
+    if problem:
+        raise CheckpointError(f"{path}: {problem} from {first_path}; only checkpoints of one model can be averaged")

@@ -33,10 +33,11 @@ def build_optimizer(params: list[nn.Parameter], cfg: TrainConfig) -> torch.optim
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    """Multiplier of ``cfg.lr`` at update ``step`` (1-based after the first update).
+    """Multiplier of ``cfg.lr`` for the update after ``step`` updates (``LambdaLR`` counts from 0).
 
-    inverse_sqrt (Vaswani et al. 2017, Eq. 3, peak ``lr`` at ``warmup_updates``): linear warm-up from
-    ``warmup_init_lr`` to ``lr``, then ``lr · sqrt(warmup / step)``.
+    inverse_sqrt (Vaswani et al. 2017, Eq. 3, peak ``lr`` at update ``warmup_updates``): update ``s``
+    (1-based) takes ``warmup_init_lr + (lr − warmup_init_lr) · s / warmup`` while ``s < warmup``, then
+    ``lr · sqrt(warmup / s)``.
     """
     if cfg.lr_scheduler == "constant":
         return lambda step: 1.0
@@ -46,8 +47,8 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
     warmup = max(1, cfg.warmup_updates)
     init = cfg.warmup_init_lr / cfg.lr
 
-    def schedule(step: int) -> float:
-        step = max(step, 1)
+    def schedule(done: int) -> float:
+        step = done + 1  # the update this rate is for
         if step < warmup:
             return init + (1.0 - init) * step / warmup
         return (warmup / step) ** 0.5

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import signal
 import time
 from contextlib import contextmanager, nullcontext
@@ -53,7 +54,8 @@ class Progress:
     update: int = 0
     epoch: int = 1
     position: int = 0  # index of the next batch in this epoch's batch list
-    best: float | None = None  # best validation metric so far
+    best: float | None = None  # best metric of the scheduled validations (early stopping compares with it)
+    best_seen: float | None = None  # best metric of any validation, a budget's final one included (checkpoint_best)
     bad_validations: int = 0
     elapsed: float = 0.0  # training seconds, summed over resumed runs
     stopped: str = ""  # why training ended, once it has
@@ -136,13 +138,27 @@ class Trainer:
             log.info("resumed from %s at update %d (epoch %d, batch %d)", last, self.progress.update,
                      self.progress.epoch, self.progress.position)
         elif self.dist.is_main:
-            (self.save_dir / "log.jsonl").unlink(missing_ok=True)
+            self.clear_previous_run()
         # DDP all-reduces gradients during backward (hooks); it starts from rank 0's parameters
         self.ddp = None if not self.dist.enabled else DistributedDataParallel(
             _StepModule(self.model), device_ids=[self.device.index] if self.device.type == "cuda" else None,
             find_unused_parameters=self.find_unused_parameters)
         if self.dist.is_main:
             (self.save_dir / "config.yaml").write_text(_yaml(to_dict(config)), encoding="utf-8")
+
+    def clear_previous_run(self) -> None:
+        """A fresh start (``--restart``, or no checkpoint_last.pt) in a used save dir: remove the earlier run's
+        checkpoints, log and TensorBoard events, which would otherwise mix with this run's (checkpoint rotation,
+        ``nmtflow average --last``, the curves)."""
+        names = [f"checkpoint_{name}.pt" for name in ("best", "last")]
+        old = periodic_checkpoints(self.save_dir) + [self.save_dir / n for n in names if (self.save_dir / n).is_file()]
+        for path in old:
+            path.unlink()
+        if old:
+            log.warning("fresh start in %s: removed the earlier run's %s", self.save_dir,
+                        ", ".join(path.name for path in old))
+        (self.save_dir / "log.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(self.save_dir / "tensorboard", ignore_errors=True)
 
     # ---- set-up (seams for subclasses, e.g. nmtflow.train.multilingual.MultilingualTrainer) ---------
     def setup_data(self) -> None:
@@ -228,6 +244,13 @@ class Trainer:
             raise ConfigError(f"{path}: holds a {name!r} model but the config says model.name="
                               f"{self.config.model.name!r}; resume with the run's own config.yaml, or start afresh "
                               "with --restart or another --save-dir")
+        changed = changed_settings(ckpt.get("config") or {}, to_dict(self.config))
+        if changed:
+            shown = "; ".join(f"{key}: {old!r} → {new!r}" for key, old, new in changed[:4])
+            more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+            raise ConfigError(f"{path}: this run was trained with other settings ({shown}{more}); resume with "
+                              "the run's own config.yaml (only budgets, validation, checkpointing, logging, device, "
+                              "precision and decoding may change), or start afresh with --restart or another --save-dir")
         mine = self.checkpoint(with_training_state=False)
         langs = ckpt.get("langs") or {}
         if "src" in langs and "src" in mine["langs"] and langs != mine["langs"]:
@@ -255,13 +278,16 @@ class Trainer:
             torch.set_rng_state(mine["torch"].cpu())
             if "cuda" in mine and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["cuda"].cpu(), self.device)
-        self.progress = Progress(**{**ckpt["progress"], "stopped": ""})  # a new budget may continue it
-        # drop log lines written after this checkpoint by the interrupted run
-        log_file = self.save_dir / "log.jsonl"
-        if log_file.is_file() and self.dist.is_main:
-            kept = [ln for ln in log_file.read_text(encoding="utf-8").splitlines()
-                    if ln and json.loads(ln).get("update", 0) <= self.progress.update]
-            log_file.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+        saved = {k: v for k, v in ckpt["progress"].items() if k in Progress.__dataclass_fields__}
+        stopped = saved.get("stopped", "")
+        if stopped.startswith(RECHECKED_STOPS):  # budgets and patience are checked again: they may have been raised
+            stopped = ""
+        self.progress = Progress(**{**saved, "stopped": stopped})
+        if self.progress.best_seen is None:  # checkpoints written before best_seen existed
+            self.progress.best_seen = self.progress.best
+        self._purge_step = self.progress.update + 1  # TensorBoard: drop events written after this checkpoint
+        if self.dist.is_main:  # drop log lines written after this checkpoint by the interrupted run
+            trim_log(self.save_dir / "log.jsonl", self.progress.update)
 
     def save(self, best: bool = False) -> None:
         if self.dist.enabled:  # a collective: every rank reaches save() at the same update
@@ -270,13 +296,13 @@ class Trainer:
             return
         ckpt = self.checkpoint()
         tc = self.config.train
-        save_atomic(ckpt, self.save_dir / "checkpoint_last.pt")
+        if best:  # before checkpoint_last, whose progress already counts this model as the best
+            save_atomic(ckpt, self.save_dir / "checkpoint_best.pt")
         if tc.save_every and self.progress.update % tc.save_every == 0:
             save_atomic(ckpt, self.save_dir / f"checkpoint_{self.progress.update}.pt")
             for old in periodic_checkpoints(self.save_dir)[:-tc.keep_checkpoints or None]:
                 old.unlink(missing_ok=True)
-        if best:
-            save_atomic(ckpt, self.save_dir / "checkpoint_best.pt")
+        save_atomic(ckpt, self.save_dir / "checkpoint_last.pt")
 
     # ---- logging ----------------------------------------------------------------------------------
     def record(self, kind: str, values: dict[str, float]) -> None:
@@ -289,7 +315,8 @@ class Trainer:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(self.save_dir / "tensorboard"))
+                self.writer = SummaryWriter(str(self.save_dir / "tensorboard"),
+                                            purge_step=getattr(self, "_purge_step", None))
             except ImportError:  # tensorboard is optional at run time
                 self.writer = False
         if self.writer:
@@ -378,8 +405,9 @@ class Trainer:
         stream = self.batches()
         with _graceful_interrupt() as interrupted:
             while not p.stopped:
-                if p.update >= tc.max_updates:
-                    p.stopped = f"reached max_updates={tc.max_updates}"
+                reason = self.budget_spent()
+                if reason:  # e.g. the same command again after the run finished: nothing more to do
+                    p.stopped = reason
                     break
                 group = [next(stream) for _ in range(tc.update_freq)]
                 stats = self.train_step([b for _, _, b in group])
@@ -422,12 +450,14 @@ class Trainer:
                     p.stopped = f"reached max_updates={tc.max_updates}"
                 if stop_signal:
                     p.stopped = "interrupted (resume with the same command)"
-                due_valid = tc.validate_every and p.update % tc.validate_every == 0 and not skipped
+                due_valid = bool(tc.validate_every and p.update % tc.validate_every == 0 and not skipped)
                 is_best = False
+                paused = time.perf_counter()  # validation and saving are not training speed
                 if self.valid_data is not None and (due_valid or (p.stopped and not stop_signal)):
-                    is_best = self.validate()
+                    is_best = self.validate(scheduled=due_valid)
                 if is_best or p.stopped or (not skipped and tc.save_every and p.update % tc.save_every == 0):
                     self.save(best=is_best)
+                window_start += time.perf_counter() - paused
         bar.close()
         if self.writer:
             self.writer.flush()
@@ -472,8 +502,28 @@ class Trainer:
         refs = [self.tgt_tok.decode(self.valid_data.tgt[i].tolist()) for i in range(n)]
         return bleu(hyp_text, refs).score
 
-    def validate(self) -> bool:
-        """Validation loss (and BLEU); returns whether this is the best model so far."""
+    def budget_spent(self) -> str:
+        """Why training must not take another update (a budget or early stopping), or ""."""
+        tc, p = self.config.train, self.progress
+        if p.update >= tc.max_updates:
+            return f"reached max_updates={tc.max_updates}"
+        if tc.max_epochs is not None and p.epoch > tc.max_epochs:
+            return f"reached max_epochs={tc.max_epochs}"
+        if tc.max_minutes is not None and p.elapsed >= 60 * tc.max_minutes:
+            return f"reached max_minutes={tc.max_minutes}"
+        if tc.patience is not None and p.bad_validations >= tc.patience:
+            return f"early stopping: no improvement in {tc.patience} validations"
+        if p.bad_updates >= tc.max_bad_updates:
+            return f"stopped after {p.bad_updates} consecutive non-finite losses (train.max_bad_updates)"
+        return ""
+
+    def validate(self, scheduled: bool = True) -> bool:
+        """Validation loss (and BLEU); returns whether this is the best model so far.
+
+        Only ``scheduled`` validations (every ``validate_every`` updates) count for early stopping and the
+        ``reduce_on_rise`` schedule; the extra one when a budget ends may still make checkpoint_best. So a run
+        cut short by a budget and then continued trains exactly as one that was never cut.
+        """
         tc, p = self.config.train, self.progress
         nll, _ = self.validation_loss()
         values = {"nll": nll, "ppl": math.exp(min(nll, 50))}
@@ -482,8 +532,12 @@ class Trainer:
         self.record("valid", values)
         log.info("validation at update %d: %s", p.update, " | ".join(f"{k} {v:.3f}" for k, v in values.items()))
         metric = values["bleu"] if tc.early_stop_metric == "bleu" and tc.valid_bleu else -nll
-        improved = p.best is None or metric > p.best
-        if improved:
+        is_best = p.best_seen is None or metric > p.best_seen
+        if is_best:
+            p.best_seen = metric
+        if not scheduled:
+            return is_best
+        if p.best is None or metric > p.best:
             p.best, p.bad_validations = metric, 0
         else:
             p.bad_validations += 1
@@ -492,7 +546,7 @@ class Trainer:
         validation_end = getattr(self.scheduler, "validation_end", None)  # e.g. reduce_on_rise (train/optim.py)
         if validation_end is not None and (reason := validation_end(nll)):
             p.stopped = reason
-        return improved
+        return is_best
 
 
 class _StepModule(torch.nn.Module):
@@ -514,11 +568,57 @@ def _batch_loss(model: EncoderDecoder, b: Batch, epsilon: float) -> tuple[torch.
     return loss, nll, model.auxiliary_loss(enc)
 
 
+def _log_entries(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, entry) of every complete line of a log.jsonl; a line cut off by a kill or a full disk is skipped."""
+    entries = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            entries.append((line, entry))
+    return entries
+
+
 def read_log(save_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(save_dir) / "log.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln]
+    return [entry for _, entry in _log_entries(Path(save_dir) / "log.jsonl")]
+
+
+def trim_log(path: Path, update: int) -> None:
+    """Keep the lines of ``path`` up to ``update`` (those after it come from the run's interrupted tail)."""
+    if path.is_file():
+        kept = [line for line, entry in _log_entries(path) if entry.get("update", 0) <= update]
+        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+# Settings a resumed run may change: they do not alter the trajectory of the parameters (the data order, the
+# model, the optimiser and its schedule), only how long it runs, what it records and where. Keys are dotted
+# config paths; a key ending in "." stands for its whole section.
+RESUMABLE_CHANGES = (
+    "train.save_dir", "train.device", "train.threads", "train.precision", "train.fused_optimizer",
+    "train.max_updates", "train.max_epochs", "train.max_minutes", "train.patience", "train.max_bad_updates",
+    "train.validate_every", "train.valid_bleu_max_sentences", "train.valid_beam_size", "train.save_every",
+    "train.keep_checkpoints", "train.log_every", "train.progress", "data.path", "decode.")
+# saved reasons for a stop that a resume examines again (the budget or patience may have been raised)
+RECHECKED_STOPS = ("reached max_", "early stopping", "interrupted", "stopped after")
+
+
+def changed_settings(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) of the settings that differ and may not change on resume.
+
+    Keys missing on either side (settings added to nmtflow since the checkpoint was written) are not compared.
+    """
+    changed = []
+    for key in saved.keys() & current.keys():
+        name, old, new = f"{prefix}{key}", saved[key], current[key]
+        if name in RESUMABLE_CHANGES or any(name.startswith(s) for s in RESUMABLE_CHANGES if s.endswith(".")):
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += changed_settings(old, new, name + ".")
+        elif old != new and not (isinstance(old, (list, tuple)) and list(old) == list(new or [])):
+            changed.append((name, old, new))
+    return sorted(changed)
 
 
 @contextmanager

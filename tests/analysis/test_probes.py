@@ -111,3 +111,64 @@ def test_layer_outputs_hook_collects_each_layer() -> None:
         torch.testing.assert_close(model.encoder.final_norm(enc_layers[-1]), enc["out"])
         torch.testing.assert_close(model.decoder.final_norm(dec_layers[-1]), final)
         assert set(enc) == set(model.encoder(src))  # the hook adds nothing to the encoder output
+
+
+def analyze_error(capsys: pytest.CaptureFixture[str], kind: str, *args: str) -> str:
+    """The one-line error of an ``nmtflow analyze`` command that must fail (exit status 2)."""
+    assert main(["analyze", kind, *args, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("kind", ["probe", "similarity"])
+def test_labels_must_differ(kind: str, checkpoints: list[str], copy_data: Path, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Results are keyed by label: a repeated label (or checkpoint) must not silently drop a model."""
+    common = ["--data", str(copy_data), "--out", str(tmp_path), "--max-sentences", "20"]
+    err = analyze_error(capsys, kind, *checkpoints, *common, "--labels", "same", "same")
+    assert "nmtflow analyze: error: labels must differ, got same, same" in err
+    err = analyze_error(capsys, kind, checkpoints[0], checkpoints[0], *common)
+    assert f"{checkpoints[0]} is given twice" in err and "--labels" in err
+    assert not list(tmp_path.iterdir())
+    result = analyze(kind, [checkpoints[0], checkpoints[0]], copy_data, tmp_path, "--max-sentences", "20",
+                     *(["--epochs", "1"] if kind == "probe" else []))
+    assert list(result["models"]) == ["baseline", "shortcuts"]  # the labels given: both kept
+
+
+@pytest.mark.parametrize("kind", ["probe", "similarity"])
+def test_a_multilingual_checkpoint_is_a_clear_error(kind: str, checkpoints: list[str], copy_data: Path,
+                                                    tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = torch.load(checkpoints[0], weights_only=True)
+    ckpt["multilingual"], ckpt["langs"] = True, {"directions": ["src-tgt"], "zero_shot": []}
+    torch.save(ckpt, tmp_path / "multi.pt")
+    err = analyze_error(capsys, kind, str(tmp_path / "multi.pt"), "--data", str(copy_data), "--out", str(tmp_path))
+    assert "multi.pt: a multilingual checkpoint; these analyses support bilingual checkpoints only" in err
+    assert "--src-lang" not in err
+
+
+@pytest.mark.parametrize("option", [("--holdout", "0"), ("--holdout", "1"), ("--holdout", "1.5"),
+                                    ("--holdout", "-0.2"), ("--max-sentences", "0"), ("--max-sentences", "-3"),
+                                    ("--batch-tokens", "0"), ("--epochs", "0")])
+def test_probe_settings_are_checked(option: tuple[str, str], checkpoints: list[str], copy_data: Path,
+                                    tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = analyze_error(capsys, "probe", checkpoints[0], "--data", str(copy_data), "--out", str(tmp_path), *option)
+    assert f"nmtflow analyze: error: {option[0]}: " in err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("option", [("--max-sentences", "0"), ("--batch-tokens", "-1")])
+def test_similarity_settings_are_checked(option: tuple[str, str], checkpoints: list[str], copy_data: Path,
+                                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = analyze_error(capsys, "similarity", checkpoints[0], "--data", str(copy_data), "--out", str(tmp_path),
+                        *option)
+    assert f"nmtflow analyze: error: {option[0]}: must be >= 1" in err
+
+
+def test_similarity_without_shortcuts_removes_an_earlier_gate_plot(checkpoints: list[str], copy_data: Path,
+                                                                   tmp_path: Path) -> None:
+    analyze("similarity", checkpoints, copy_data, tmp_path, "--max-sentences", "20")
+    assert (tmp_path / "gates.png").is_file()
+    code = main(["analyze", "similarity", checkpoints[0], "--data", str(copy_data), "--out", str(tmp_path),
+                 "--max-sentences", "20", "--device", "cpu"])
+    assert code == 0 and not (tmp_path / "gates.png").exists()

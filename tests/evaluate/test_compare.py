@@ -1,15 +1,17 @@
 """``nmtflow compare``: a tiny two-config comparison end to end, resumable reruns, strict experiment files."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
 
 from nmtflow.cli import main
 from nmtflow.config import ConfigError
-from nmtflow.evaluate import compare
+from nmtflow.evaluate import compare, compare_job
 from nmtflow.evaluate.compare import PreparedData, run_comparison, run_config
 from nmtflow.evaluate.compare_job import load_texts, read_lines
 from nmtflow.evaluate.experiment import load_experiment
@@ -176,3 +178,148 @@ def test_only_reports_the_named_runs_and_rejects_unknown_names(compared) -> None
     assert [r["name"] for r in result.runs] == ["shortcuts"] and ckpt.stat().st_mtime_ns == before
     with pytest.raises(ConfigError, match=r"--only: no run named 'nope' \(runs: baseline, shortcuts\)"):
         run_comparison(experiment, out=out, only=["nope"])
+
+
+@pytest.fixture
+def copied(compared, tmp_path: Path) -> tuple[Path, Path]:
+    """The experiment and a copy of its finished comparison (which a test may change freely)."""
+    experiment, out, _ = compared
+    shutil.copytree(out, tmp_path / "out")
+    return experiment, tmp_path / "out"
+
+
+def test_a_lowered_budget_refuses_runs_trained_beyond_it(copied) -> None:
+    experiment, out = copied
+    with pytest.raises(ConfigError, match=r"seed-1: the run trained beyond the budget \(10 updates, budget 5\); "
+                                          r"use another --out, or delete that run's directory"):
+        run_comparison(experiment, out=out, overrides=["budget.updates=5"])
+    for name in ("trained.json", "finished.json"):  # interrupted runs: checkpoint_last.pt tells
+        (out / "runs" / "baseline" / "seed-1" / name).unlink()
+    with pytest.raises(ConfigError, match=r"baseline/seed-1: the run trained beyond the budget"):
+        run_comparison(experiment, out=out, overrides=["budget.updates=5"], only=["baseline"])
+    # raising the budget continues the run
+    result = run_comparison(experiment, out=out, overrides=["budget.updates=15", "isolate=false"], only=["baseline"])
+    assert result.runs[0]["updates"] == 15 and "- budget: 15 updates per run" in (out / "results.md").read_text()
+    assert result.runs[0]["seeds"][0]["result"]["averaged_from"] == ["checkpoint_10.pt", "checkpoint_15.pt"]
+    with pytest.raises(ConfigError, match=r"\(15 updates, budget 10\)"):
+        run_comparison(experiment, out=out, only=["baseline"])
+
+
+def test_beyond_budget_counts_finished_epochs() -> None:
+    from nmtflow.evaluate.compare_job import beyond_budget
+
+    budget = {"updates": None, "epochs": 2, "minutes": None}
+    assert beyond_budget({"update": 40, "epoch": 3, "position": 0}, budget) is None  # 2 epochs done
+    assert beyond_budget({"update": 60, "epoch": 4, "position": 0}, budget) == "3 epochs, budget 2"
+    assert beyond_budget({"update": 10, "epoch": 1}, {"updates": 10, "epochs": None}) is None
+
+
+def no_training(*args, **kwargs):
+    raise AssertionError("a trained run was trained again")
+
+
+def test_another_prepared_dataset_is_refused(copied, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmtflow.data.prepare import prepare
+
+    experiment, out = copied
+    corpus = out / "corpus"
+    prepare({s: str(corpus / s) for s in ("train", "valid", "test")}, ["en", "de"], tmp_path / "other",
+            vocab_size=150)
+    message = r"out: its runs were trained on data prepared with other settings \(in .*data, not .*other\)"
+    with pytest.raises(ConfigError, match=message):
+        run_comparison(experiment, out=out, overrides=[f"data.path={tmp_path / 'other'}", "data.synthetic=null"])
+    (out / compare.DATA_IDENTITY).unlink()  # a comparison from before the identity was recorded: run.yaml tells
+    with pytest.raises(ConfigError, match=message):
+        run_comparison(experiment, out=out, overrides=[f"data.path={tmp_path / 'other'}", "data.synthetic=null"])
+    # the same data, prepared elsewhere (here: a copy of the comparison's own), is the same: no training again
+    shutil.copytree(out / "data", tmp_path / "same")
+    monkeypatch.setattr(compare_job, "train", no_training)
+    result = run_comparison(experiment, out=out, overrides=[f"data.path={tmp_path / 'same'}", "data.synthetic=null",
+                                                            "isolate=false"])
+    assert [r["status"] for r in result.runs] == ["done", "done"]
+
+
+def test_fewer_checkpoints_than_average_last_are_reported(copied, caplog) -> None:
+    experiment, out = copied
+    with caplog.at_level(logging.WARNING, logger="nmtflow.compare"):
+        result = run_comparison(experiment, out=out, overrides=["average_last=5", "isolate=false"],
+                                only=["baseline"])
+    assert result.runs[0]["seeds"][0]["result"]["averaged_from"] == ["checkpoint_5.pt", "checkpoint_10.pt"]
+    assert "average_last is 5 but only 2 periodic checkpoint(s) are there" in caplog.text
+    md = (out / "results.md").read_text(encoding="utf-8")
+    assert "average of the last 5" not in md
+    assert "checkpoint `averaged` (average_last 5, but only 2 periodic checkpoints were kept" in md
+
+
+def test_decode_and_logging_settings_do_not_retrain_but_decode_again(copied, monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    from nmtflow.decode.translate import Translator
+
+    experiment, out = copied
+    changed = out.parent / "changed.yaml"
+    text = TINY.replace("train.valid_bleu_max_sentences=10]",
+                        "train.valid_bleu_max_sentences=10, decode.len_penalty=1.0, train.log_every=3]")
+    changed.write_text(text, encoding="utf-8")
+    penalties = []
+    translate = Translator.translate
+
+    def recording(self, *args, **kwargs):
+        penalties.append(self.decode.len_penalty)
+        return translate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Translator, "translate", recording)
+    monkeypatch.setattr(compare_job, "train", no_training)
+    result = run_comparison(changed, out=out, overrides=["isolate=false"])
+    assert not result.failed
+    assert penalties == [1.0, 1.0]  # the runs' new decode section, though their checkpoints hold the old one
+    for name in ("baseline", "shortcuts"):
+        job = json.loads((out / "runs" / name / "seed-1" / "job.json").read_text(encoding="utf-8"))
+        done = json.loads((out / "runs" / name / "seed-1" / "finished.json").read_text(encoding="utf-8"))
+        assert job["eval"]["decode"]["len_penalty"] == 1.0 and done["eval_key"] == job["eval_key"]
+    with pytest.raises(ConfigError, match="trained with another config") as error:  # training settings still count
+        run_comparison(changed, out=out, overrides=["overrides=[model.d_model=64]"], only=["baseline"])
+    assert "decode." not in str(error.value)
+
+
+def test_runs_recorded_before_decode_left_the_fingerprint_are_still_skipped(copied,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """finished.json written by earlier versions: the fingerprint kept decode and log_every, eval_key had no
+    decode section."""
+    experiment, out = copied
+    run_comparison(experiment, out=out, overrides=["isolate=false"])  # every run finished with these settings
+    exp = load_experiment(experiment)
+    volatile = {("train", k) for k in ("save_dir", "max_updates", "max_epochs", "max_minutes", "device", "threads",
+                                       "progress", "keep_checkpoints")} | {("data", "path")}
+    old_fingerprints = {}
+    for job in compare.plan_jobs(exp, out, compare.prepare_data(exp, out)):
+        kept = {s: {k: v for k, v in values.items() if (s, k) not in volatile} if isinstance(values, dict) else values
+                for s, values in job["_config"].items()}
+        ev = {k: v for k, v in job["eval"].items() if k != "decode"}
+        old = {"fingerprint": hashlib.sha1(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16],
+               "eval_key": hashlib.sha1(json.dumps({**ev, "items": [i["key"] for i in ev["items"]]},
+                                                   sort_keys=True).encode()).hexdigest()[:16]}
+        for file in ("finished.json", "trained.json"):
+            record = json.loads((Path(job["dir"]) / file).read_text(encoding="utf-8"))
+            (Path(job["dir"]) / file).write_text(json.dumps({**record, **old}), encoding="utf-8")
+        old_fingerprints[job["run"]] = (old["fingerprint"], job["fingerprint"])
+    # another decoding of an old run: decoded again, not trained again, and recorded with the new fingerprint
+    monkeypatch.setattr(compare_job, "train", no_training)
+    run_comparison(experiment, out=out, overrides=["isolate=false", "decode.max_sentences=3"], only=["baseline"])
+    trained = json.loads((out / "runs" / "baseline" / "seed-1" / "trained.json").read_text(encoding="utf-8"))
+    assert trained["fingerprint"] == old_fingerprints["baseline"][1]
+    assert old_fingerprints["baseline"][0] != old_fingerprints["baseline"][1]
+    monkeypatch.setattr(compare, "execute", lambda *a, **k: pytest.fail("a finished run was started again"))
+    result = run_comparison(experiment, out=out, only=["shortcuts"])
+    assert [r["status"] for r in result.runs] == ["done"]
+
+
+def test_budget_must_be_positive_and_one_seed_shows_no_spread(compared) -> None:
+    from nmtflow.evaluate.compare_report import _fmt_score
+
+    experiment, _, _ = compared
+    for override in ("budget.updates=0", "budget.epochs=-1", "budget.minutes=0"):
+        with pytest.raises(ConfigError, match=rf"budget\.{override.split('.')[1].split('=')[0]}: must be > 0"):
+            load_experiment(experiment, [override])
+    assert _fmt_score({"mean": 20.0, "std": 0.0, "n": 1}, 3) == "20.00 (n=1)"
+    assert _fmt_score({"mean": 20.0, "std": 1.5, "n": 2}, 3) == "20.00 ± 1.50 (n=2)"
+    assert _fmt_score({"mean": 20.0, "std": 1.5, "n": 3}, 3) == "20.00 ± 1.50"
