@@ -133,7 +133,7 @@ def _read_lines(path: str) -> list[str]:
         start = data.rfind(b"\n", 0, exc.start) + 1
         raise CorpusError(path, f"invalid UTF-8 at byte offset {exc.start - start} of the line ({exc.reason})",
                           line=data.count(b"\n", 0, exc.start) + 1) from None
-    lines = text.split("\n")
+    lines = text.removeprefix("\ufeff").split("\n")  # a byte-order mark, as `prepare` tolerates it
     if lines and lines[-1] == "":
         lines.pop()
     return [ln.rstrip("\r") for ln in lines]

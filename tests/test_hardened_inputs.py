@@ -214,3 +214,11 @@ def test_bad_counts_and_split_options(tmp_path: Path, capsys: pytest.CaptureFixt
     args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
     err = one_line_error(args, message.split(":")[0], capsys)
     assert message in err and not (tmp_path / "out").exists()
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = copy_sentences(20, 9)
+    (tmp_path / "hyp.txt").write_text("".join(s + "\n" for s in lines), encoding="utf-8")
+    (tmp_path / "ref.txt").write_text("\ufeff" + "".join(s + "\r\n" for s in lines), encoding="utf-8")
+    assert main(["evaluate", "--hyp", str(tmp_path / "hyp.txt"), "--ref", str(tmp_path / "ref.txt")]) == 0
+    assert "BLEU = 100.00" in capsys.readouterr().out

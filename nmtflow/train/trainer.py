@@ -335,6 +335,10 @@ class Trainer:
         epoch, start = self.progress.epoch, self.progress.position
         while True:
             order = self.epoch_batches(epoch)
+            if not order:  # more processes than batches: every epoch would be empty on some rank
+                raise ConfigError(f"{self.config.data.path}: the training split makes fewer batches of "
+                                  f"data.max_tokens={self.config.data.max_tokens} than the {self.dist.world_size} "
+                                  "processes training on it; lower data.max_tokens or use fewer processes")
             for pos in range(start, len(order)):
                 yield epoch, pos + 1, self.train_data.batch(order[pos])
             epoch, start = epoch + 1, 0

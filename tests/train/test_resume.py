@@ -167,3 +167,13 @@ def test_inverse_sqrt_peaks_at_the_warmup_update(warmup: int) -> None:
     expected = [3e-3 * min(s / warmup, (warmup / s) ** 0.5) for s in range(1, 2 * warmup + 4)]
     assert used == pytest.approx(expected, rel=1e-9)
     assert max(used) == pytest.approx(3e-3) and used.index(max(used)) == warmup - 1
+
+
+def test_more_processes_than_batches_is_an_error_not_a_hang(copy_data: Path, tmp_path: Path) -> None:
+    from nmtflow.data.batching import TokenBatchSampler
+
+    trainer = Trainer(small_config(copy_data, tmp_path / "run", max_updates=1))
+    data = trainer.train_data
+    trainer.sampler = TokenBatchSampler(data.src.sizes, data.tgt.sizes, 300, shuffle=True, num_shards=100_000)
+    with pytest.raises(ConfigError, match=r"fewer batches of data\.max_tokens=300 than the 1 processes"):
+        next(trainer.batches())
