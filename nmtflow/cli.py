@@ -293,7 +293,8 @@ def _analyze_attention(args: argparse.Namespace) -> None:
 
     files = run_attention_analysis(args.checkpoint, args.out, src=args.src, tgt=args.tgt, data=args.data,
                                    split=args.split, max_sentences=args.max_sentences, max_tokens=args.batch_tokens,
-                                   device=resolve_device(args.device))
+                                   device=resolve_device(args.device), src_lang=args.src_lang,
+                                   tgt_lang=args.tgt_lang)
     print(f"wrote {len(files)} files to {args.out}")
 
 
@@ -327,18 +328,29 @@ def _embedder(args: argparse.Namespace):
     from nmtflow.decode.multilingual import load_multilingual
     from nmtflow.train.trainer import resolve_device
 
-    ckpt = load_multilingual(args.checkpoint, resolve_device(args.device))
-    return lambda lines, lang: sentence_embeddings(ckpt, lang, lines, pooling=args.pooling,
-                                                   max_tokens=args.batch_tokens)
+    from nmtflow.decode.multilingual import is_multilingual
+    from nmtflow.train.checkpoint import CheckpointError, load_checkpoint
+
+    saved = load_checkpoint(args.checkpoint)
+    if not is_multilingual(saved):
+        raise CheckpointError(f"{args.checkpoint}: a bilingual checkpoint; sentence embeddings need a multilingual "
+                              "(bridge or language-label) checkpoint")
+    ckpt = load_multilingual(args.checkpoint, resolve_device(args.device), ckpt=saved)
+
+    def embed(lines: list[str], lang: str, **where: Any) -> Any:
+        return sentence_embeddings(ckpt, lang, lines, pooling=args.pooling, max_tokens=args.batch_tokens, **where)
+
+    return embed
 
 
 @command
 def cmd_embed(args: argparse.Namespace) -> None:
     import numpy as np
 
-    vectors = _embedder(args)(_read_lines(args.input), args.lang)
-    np.save(args.output, vectors)
-    print(f"wrote {args.output}: {vectors.shape[0]} sentences × {vectors.shape[1]} ({args.pooling} pooling)")
+    vectors = _embedder(args)(_read_lines(args.input), args.lang, name=args.input)
+    output = args.output if args.output.endswith(".npy") else args.output + ".npy"  # what np.save writes
+    np.save(output, vectors)
+    print(f"wrote {output}: {vectors.shape[0]} sentences × {vectors.shape[1]} ({args.pooling} pooling)")
 
 
 @command
@@ -513,6 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--tgt", help="its target sentence (default: the model's translation of --src)")
     q.add_argument("--data", help="prepared data directory: phrase share per layer over --split (JSON)")
     q.add_argument("--split", default="valid", help="prepared split for --data")
+    q.add_argument("--src-lang", help="multilingual checkpoints: source language")
+    q.add_argument("--tgt-lang", help="multilingual checkpoints: target language")
     q.add_argument("--out", required=True, help="output directory (PNG heat maps, phrase_share.json)")
     q.add_argument("--max-sentences", type=int, help="use only the first N sentences of --split")
     q.add_argument("--batch-tokens", type=int, default=4000, help="tokens per batch through the model")
@@ -585,7 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for module in args.plugin:
             sys.path.insert(0, os.getcwd())
-            importlib.import_module(module)
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                print(f"nmtflow: error: --plugin {module}: {exc} (run from the directory that holds it, or put it "
+                      "on PYTHONPATH)", file=sys.stderr)
+                return 2
         code = COMMANDS[args.command](args)
         sys.stdout.flush()  # now rather than at exit, so that a reader gone away is the BrokenPipeError below
     except BrokenPipeError:  # the reader of stdout went away (`| head`): not an error (caught before OSError)

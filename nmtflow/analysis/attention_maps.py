@@ -33,6 +33,7 @@ from nmtflow.data.batching import TokenBatchSampler, collate
 from nmtflow.data.bitext import Bitext
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.data.vocab import PAD
+from nmtflow.decode.multilingual import multilingual_translator
 from nmtflow.decode.translate import Translator
 from nmtflow.evaluate.perplexity import open_checkpoint_data
 from nmtflow.models.base import EncoderDecoder, device_of
@@ -146,9 +147,10 @@ def plot_heat_map(weights: Tensor, ngrams: list[int], rows: list[str], keys: lis
 
 
 def draw_heat_maps(model: EncoderDecoder, src_ids: list[int], tgt_ids: list[int], src_tok: Tokenizer,
-                   tgt_tok: Tokenizer, out_dir: str | Path) -> list[Path]:
-    """Heat maps of every slot, layer and head for one sentence pair (ids without BOS/EOS)."""
-    b = collate([src_ids], [tgt_ids]).to(device_of(model))
+                   tgt_tok: Tokenizer, out_dir: str | Path, *, src_prefix: int | None = None) -> list[Path]:
+    """Heat maps of every slot, layer and head for one sentence pair (ids without BOS/EOS; ``src_prefix``: a
+    language-label model's ``<2xx>`` tag before the source)."""
+    b = collate([src_ids], [tgt_ids], src_prefix=src_prefix).to(device_of(model))
     src = [src_tok.piece(i) for i in b.src[0].tolist()]
     tgt_in = [tgt_tok.piece(i) for i in b.tgt_in[0].tolist()]
     tgt_out = [tgt_tok.piece(i) for i in b.tgt_out[0].tolist()]
@@ -156,6 +158,8 @@ def draw_heat_maps(model: EncoderDecoder, src_ids: list[int], tgt_ids: list[int]
     for m in attention_maps(model, b.src, b.tgt_in):
         rows = src if m.slot.startswith("encoder.") else tgt_out
         keys = tgt_in if m.slot == "decoder.self_attn" else src
+        if m.slot == "decoder.cross_attn" and m.key_length != len(src):  # an attention bridge: its k rows of M
+            keys = [f"M{i + 1}" for i in range(m.key_length)]
         share = phrase_mass(m, torch.ones(1, m.weights.size(2), dtype=torch.bool, device=m.weights.device))
         for h in range(m.weights.size(1)):
             path = Path(out_dir) / f"{m.slot}.layer{m.layer + 1}.head{h + 1}.png"
@@ -224,15 +228,21 @@ def plot_phrase_share(result: dict[str, Any], path: Path) -> None:
 def run_attention_analysis(checkpoint: str | Path, out_dir: str | Path, *, src: str | None = None,
                            tgt: str | None = None, data: str | Path | None = None, split: str = "valid",
                            max_sentences: int | None = None, max_tokens: int = 4000,
-                           device: str | torch.device = "cpu") -> list[Path]:
+                           device: str | torch.device = "cpu", src_lang: str | None = None,
+                           tgt_lang: str | None = None) -> list[Path]:
     """``nmtflow analyze attention``: heat maps for ``src``/``tgt`` and/or phrase shares over ``data``'s split.
 
     Without ``tgt`` the heat maps are drawn for the model's own translation of ``src`` (a language model
-    needs ``tgt``: it ignores sources).
+    needs ``tgt``: it ignores sources). A multilingual checkpoint needs ``src_lang`` and ``tgt_lang``.
     """
     if src is None and tgt is None and data is None:
         raise ValueError("analyze attention needs --src/--tgt sentences and/or --data DIR")
-    translator = Translator.from_checkpoint(checkpoint, device)
+    if src_lang or tgt_lang:
+        if not (src_lang and tgt_lang):
+            raise ValueError("analyze attention: give both --src-lang and --tgt-lang (or neither)")
+        translator = multilingual_translator(checkpoint, src_lang, tgt_lang, device)
+    else:
+        translator = Translator.from_checkpoint(checkpoint, device)
     model, out = translator.model, Path(out_dir)
     model.requires_grad_(False)
     files: list[Path] = []
@@ -244,7 +254,8 @@ def run_attention_analysis(checkpoint: str | Path, out_dir: str | Path, *, src: 
             raise ValueError("analyze attention: a language model needs --tgt (it ignores --src)")
         else:
             tgt_ids = translator.translate_ids([src_ids])[0][0].tokens
-        files += draw_heat_maps(model, src_ids, tgt_ids, translator.src_tokenizer, translator.tgt_tokenizer, out)
+        files += draw_heat_maps(model, src_ids, tgt_ids, translator.src_tokenizer, translator.tgt_tokenizer, out,
+                                src_prefix=translator.src_prefix)
     if data is not None:
         result = {"checkpoint": str(checkpoint), "split": split,
                   **phrase_share(model, open_checkpoint_data(translator, data, split), max_tokens=max_tokens,

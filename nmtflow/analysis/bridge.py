@@ -65,38 +65,57 @@ class Loaded:
 
 
 def _pick_direction(path: str | Path, trained: list[str], zero_shot: list[str], src_lang: str | None,
-                    tgt_lang: str | None, encoder_only: bool) -> tuple[str, str]:
+                    tgt_lang: str | None) -> tuple[str, str]:
     """The direction of a multilingual checkpoint to use when ``src_lang``/``tgt_lang`` are (partly) missing."""
     if src_lang and tgt_lang:
         return src_lang, tgt_lang
     known = [Direction.parse(d) for d in [*trained, *zero_shot]]
-    if encoder_only and src_lang:  # any direction out of src_lang runs the same encoder and bridge
-        fits = [d for d in known if d.src == src_lang]
-    else:
-        fits = [d for d in known if not d.is_copy and d.src == (src_lang or d.src) and d.tgt == (tgt_lang or d.tgt)]
-    if len(fits) == 1 or (fits and encoder_only):
+    fits = [d for d in known if not d.is_copy and d.src == (src_lang or d.src) and d.tgt == (tgt_lang or d.tgt)]
+    if len(fits) == 1:
         return fits[0].src, fits[0].tgt
     names = ", ".join(d for d in trained if not Direction.parse(d).is_copy) or "none"
     names += f"; zero-shot {', '.join(zero_shot)}" if zero_shot else ""
     if not fits and (src_lang or tgt_lang):
         raise ValueError(f"{path}: no direction {src_lang or '*'}-{tgt_lang or '*'} (the model has {names})")
-    wanted = "--src-lang" if encoder_only else "--src-lang and --tgt-lang"
-    raise ValueError(f"{path}: a multilingual model (directions {names}): name {wanted}")
+    raise ValueError(f"{path}: a multilingual model (directions {names}): name --src-lang and --tgt-lang")
+
+
+def _pick_encoder(path: str | Path, ckpt: dict[str, Any], src_lang: str | None) -> tuple[str, str]:
+    """The encoder language of a multilingual checkpoint (``src_lang``, or its only encoder) and a target
+    language to pair it with (the encoder and bridge do not depend on the target)."""
+    vocab, langs = ckpt.get("vocab") or {}, ckpt.get("langs") or {}
+    known = [Direction.parse(d) for d in [*langs.get("directions", []), *langs.get("zero_shot", [])]]
+    encoders = list(vocab.get("encoders") or dict.fromkeys(d.src for d in known))
+    decoders = list(vocab.get("decoders") or dict.fromkeys(d.tgt for d in known))
+    if src_lang is None:
+        if len(encoders) != 1:
+            raise ValueError(f"{path}: a multilingual model with encoders {', '.join(encoders) or 'none'}: "
+                             "name --src-lang")
+        src_lang = encoders[0]
+    elif src_lang not in encoders:
+        raise ValueError(f"{path}: no {src_lang} encoder (the model has {', '.join(encoders) or 'none'})")
+    targets = [d.tgt for d in known if d.src == src_lang and not d.is_copy]
+    targets += [lang for lang in decoders if lang != src_lang] + decoders + [src_lang]
+    return src_lang, targets[0]
 
 
 def open_translator(path: str | Path, src_lang: str | None = None, tgt_lang: str | None = None,
                     device: str | torch.device = "cpu", *, encoder_only: bool = False) -> tuple[Translator, str]:
     """A checkpoint's translator for ``src_lang → tgt_lang`` and the direction it translates.
 
-    A multilingual checkpoint with a single trained direction (or, with ``encoder_only``, any direction out of
-    ``src_lang``) needs no target language; a bilingual one translates its own direction, which the given
+    A multilingual checkpoint with a single trained direction needs no languages; with ``encoder_only`` (the
+    bridge analyses) ``src_lang`` names one of the model's encoders (needed when it has more than one) and
+    the target does not matter; a bilingual one translates its own direction, which the given
     languages, if any, must match.
     """
     ckpt = load_checkpoint(path)
     if is_multilingual(ckpt):
         langs = ckpt.get("langs", {})
-        src, tgt = _pick_direction(path, list(langs.get("directions", [])), list(langs.get("zero_shot", [])),
-                                   src_lang, tgt_lang, encoder_only)
+        if encoder_only:  # the encoder named by --src-lang (and the bridge), whatever the target
+            src, tgt = _pick_encoder(path, ckpt, src_lang)
+        else:
+            src, tgt = _pick_direction(path, list(langs.get("directions", [])), list(langs.get("zero_shot", [])),
+                                       src_lang, tgt_lang)
         try:
             translator = load_multilingual(path, device).translator(src, tgt)
         except ValueError as exc:
@@ -148,7 +167,9 @@ def read_sentences(path: str | Path) -> list[str]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CorpusError(path, f"invalid UTF-8 at byte {exc.start}", line=data[:exc.start].count(b"\n") + 1) from None
+        start = data.rfind(b"\n", 0, exc.start) + 1  # the byte offset within its line, as in cli._read_lines
+        raise CorpusError(path, f"invalid UTF-8 at byte offset {exc.start - start} of the line ({exc.reason})",
+                          line=data[:exc.start].count(b"\n") + 1) from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()

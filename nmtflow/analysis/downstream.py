@@ -10,6 +10,7 @@ No training of the translation model happens here: it is frozen.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,16 +20,25 @@ import torch.nn.functional as F
 
 from nmtflow.data.corpus import CorpusError, iter_tsv
 
-Embed = Callable[[list[str], str], np.ndarray]  # (sentences, language) → (N,D)
+# (sentences, language, name=FILE, line_numbers=[...]) → (N,D); the keywords locate warnings about long lines
+Embed = Callable[..., np.ndarray]
 
 
 def read_tsv(path: str | Path, columns: int) -> list[list[str]]:
-    """Non-empty lines of a UTF-8 TSV with exactly ``columns`` fields; errors name the file and line."""
+    """Non-empty lines of a UTF-8 TSV with exactly ``columns`` non-empty fields; errors name the file and line."""
+    return [fields for _, fields in read_numbered_tsv(path, columns)]
+
+
+def read_numbered_tsv(path: str | Path, columns: int) -> list[tuple[int, list[str]]]:
+    """:func:`read_tsv` with the line number of each row."""
     rows = []
     for line_no, fields in iter_tsv(path):
         if len(fields) != columns:
             raise CorpusError(path, f"expected {columns} tab-separated fields, got {len(fields)}", line=line_no)
-        rows.append(fields)
+        empty = [i + 1 for i, field in enumerate(fields) if not field.strip()]
+        if empty:
+            raise CorpusError(path, f"field {empty[0]} of {columns} is empty", line=line_no)
+        rows.append((line_no, fields))
     if not rows:
         raise CorpusError(path, "no examples")
     return rows
@@ -61,17 +71,21 @@ def classification(embed: Embed, train_path: str | Path, train_lang: str, test_p
                    test_lang: str | None = None, *, l2: float = 1e-3) -> dict[str, Any]:
     """Accuracy of a logistic-regression probe trained on ``train_path`` (``train_lang``), tested on
     ``test_path`` (``test_lang``, default ``train_lang``)."""
-    train, test = read_tsv(train_path, 2), read_tsv(test_path, 2)
-    labels = sorted({label for _, label in train})
+    train, test = read_numbered_tsv(train_path, 2), read_numbered_tsv(test_path, 2)
+    labels = sorted({label for _, (_, label) in train})
+    if len(labels) < 2:
+        raise CorpusError(train_path, f"every example has the label {labels[0]!r}: a classifier needs at least "
+                          "two classes")
     index = {label: i for i, label in enumerate(labels)}
-    unseen = sorted({label for _, label in test} - set(index))
-    if unseen:
-        raise CorpusError(test_path, f"label {unseen[0]!r} does not occur in {train_path}")
+    for line_no, (_, label) in test:
+        if label not in index:
+            raise CorpusError(test_path, f"label {label!r} does not occur in {train_path}", line=line_no)
     test_lang = test_lang or train_lang
-    x_train = embed([s for s, _ in train], train_lang)
-    x_test = embed([s for s, _ in test], test_lang)
-    y_train = np.array([index[label] for _, label in train])
-    y_test = np.array([index[label] for _, label in test])
+    x_train = embed([s for _, (s, _) in train], train_lang, name=str(train_path),
+                    line_numbers=[n for n, _ in train])
+    x_test = embed([s for _, (s, _) in test], test_lang, name=str(test_path), line_numbers=[n for n, _ in test])
+    y_train = np.array([index[label] for _, (_, label) in train])
+    y_test = np.array([index[label] for _, (_, label) in test])
     pred_train, pred_test = logistic_regression(x_train, y_train, x_test, l2=l2)
     return {"task": "classification", "train_lang": train_lang, "test_lang": test_lang,
             "accuracy": float((pred_test == y_test).mean()), "train_accuracy": float((pred_train == y_train).mean()),
@@ -106,14 +120,23 @@ def cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return num / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
 
 
+def gold_score(path: str | Path, line_no: int, text: str) -> float:
+    """The gold similarity of one line: a finite number, else a CorpusError naming FILE:LINE."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise CorpusError(path, f"the third column must be a number, got {text!r}", line=line_no) from None
+    if not math.isfinite(value):
+        raise CorpusError(path, f"the gold score must be finite, got {text!r}", line=line_no)
+    return value
+
+
 def similarity(embed: Embed, path: str | Path, lang: str, lang2: str | None = None) -> dict[str, Any]:
     """Pearson/Spearman correlation of cos(emb(s1), emb(s2)) with the gold scores of ``path``."""
-    rows = read_tsv(path, 3)
-    try:
-        gold = np.array([float(g) for _, _, g in rows])
-    except ValueError as exc:
-        raise CorpusError(path, f"the third column must be a number ({exc})") from None
+    rows = read_numbered_tsv(path, 3)
+    gold = np.array([gold_score(path, n, g) for n, (_, _, g) in rows])
     lang2 = lang2 or lang
-    scores = cosine(embed([r[0] for r in rows], lang), embed([r[1] for r in rows], lang2))
+    where = {"name": str(path), "line_numbers": [n for n, _ in rows]}
+    scores = cosine(embed([r[0] for _, r in rows], lang, **where), embed([r[1] for _, r in rows], lang2, **where))
     return {"task": "similarity", "lang": lang, "lang2": lang2, "pearson": pearson(scores, gold),
             "spearman": spearman(scores, gold), "examples": len(rows)}

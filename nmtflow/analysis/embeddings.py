@@ -4,9 +4,13 @@ With an attention bridge the embedding of a sentence is its M (k × d_h): ``mean
 gives (d_h,) vectors (the paper's choice, §4), ``flat`` gives (k·d_h,). A model without a bridge (e.g. the
 language-label baseline) gets the mean of its encoder states over the non-padding positions (``mean``
 only); its sources carry the tag of the sentence's own language, as if translating into it.
-Sentences are batched by length; the result does not depend on the batching (padding is masked).
+Sentences are batched by length; the result does not depend on the batching (padding is masked). A sentence
+longer than the model's positions is cut to what it reads, with a warning naming its line.
 """
 from __future__ import annotations
+
+import logging
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -19,6 +23,7 @@ from nmtflow.models.rnn import masked_mean
 from nmtflow.nn.bridge import pool_bridge
 
 POOLINGS = ("mean", "flat")
+log = logging.getLogger(__name__)
 
 
 def pool(enc: EncoderOut, pooling: str) -> torch.Tensor:
@@ -34,13 +39,27 @@ def pool(enc: EncoderOut, pooling: str) -> torch.Tensor:
 
 @torch.no_grad()
 def sentence_embeddings(ckpt: MultilingualCheckpoint, lang: str, lines: list[str], *, pooling: str = "mean",
-                        max_tokens: int = 6000, max_input_tokens: int = 512) -> np.ndarray:
-    """Sentences of ``lang`` → float32 (N, d_h) for ``mean``, (N, k·d_h) for ``flat``."""
+                        max_tokens: int = 6000, max_input_tokens: int | None = None, name: str | None = None,
+                        line_numbers: Sequence[int] | None = None) -> np.ndarray:
+    """Sentences of ``lang`` → float32 (N, d_h) for ``mean``, (N, k·d_h) for ``flat``.
+
+    A sentence longer than the model reads (its positions less EOS and any tag; ``max_input_tokens`` caps it
+    further) is cut, with a warning naming ``name`` and its line (``line_numbers``, default 1…N).
+    """
     if not lines:
-        raise ValueError("no sentences to embed")
+        raise ValueError(f"{name}: no sentences to embed" if name else "no sentences to embed")
     model = ckpt.model.eval()
     device = next(model.parameters()).device
-    ids = [seq[:max_input_tokens] for seq in ckpt.tokenizer(lang).encode_batch(list(lines))]
+    limits = [n for n in (ckpt.max_source_tokens(lang), max_input_tokens) if n is not None]
+    limit = min(limits) if limits else None
+    ids = ckpt.tokenizer(lang).encode_batch(list(lines))
+    if limit is not None:
+        for n, seq in enumerate(ids):
+            if len(seq) > limit:
+                line = line_numbers[n] if line_numbers is not None else n + 1
+                where = f"{name}:{line}" if name else f"input line {line}"
+                log.warning("%s: %d tokens; embedding the first %d (what the model reads)", where, len(seq), limit)
+                ids[n] = seq[:limit]
     prefix = ckpt.source_prefix(lang)
     out: np.ndarray | None = None
     for rows in batches_by_length([len(s) for s in ids], max_tokens):

@@ -65,6 +65,11 @@ def plan_directions(prepared: Sequence[str], cfg: MultilingualConfig) -> tuple[l
     With ``new_langs`` (adding languages to a trained model) only directions that involve a new language
     are trained: everything else is frozen.
     """
+    for option, given in (("langs", cfg.langs), ("new_langs", cfg.new_langs)):
+        repeated = sorted({lang for lang in given if list(given).count(lang) > 1})
+        if repeated:
+            raise ConfigError(f"data.multilingual.{option}: {repeated[0]!r} is listed more than once "
+                              "(copy directions A-A: copy_pairs: true)")
     langs = list(cfg.langs) or list(prepared)
     for lang in [*langs, *cfg.new_langs]:
         if lang not in prepared:

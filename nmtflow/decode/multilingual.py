@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -36,11 +37,30 @@ class MultilingualCheckpoint:
             return None
         return self.tokenizer(tgt_lang).id(lang_tag(tgt_lang))
 
+    def max_source_tokens(self, tgt_lang: str) -> int | None:
+        """Pieces of a source the model reads (positions less EOS and any ``<2TGT>`` tag); None: no limit."""
+        limit = position_limits(self.model.config)[0]
+        return None if limit is None else max(0, limit - 1 - (self.source_prefix(tgt_lang) is not None))
+
     def translator(self, src_lang: str, tgt_lang: str, decode: DecodeConfig | None = None) -> Translator:
         """A :class:`Translator` for ``src_lang → tgt_lang`` (trained or zero-shot)."""
         src_tok, tgt_tok = self.tokenizer(src_lang), self.tokenizer(tgt_lang)
         return Translator(self.model.pair(src_lang, tgt_lang), src_tok, tgt_tok, decode or self.config.decode,
                           self.config, src_prefix=self.source_prefix(tgt_lang))
+
+
+def position_limits(cfg: Any) -> tuple[int | None, int | None]:
+    """Positions a source and a target (EOS and any tag included) may take in a multilingual model; None where
+    positions do not bound that side (LSTMs)."""
+    sides = (getattr(cfg, "encoder", None), getattr(cfg, "decoder", None))
+    if all(isinstance(side, str) for side in sides):  # the bridge: a stack per side, rnn or transformer
+        limit = int(cfg.max_positions)
+        return tuple(limit if side == "transformer" else None for side in sides)  # type: ignore[return-value]
+    cfg = getattr(cfg, "backbone", cfg)  # a language-label model: its backbone's
+    limit = getattr(cfg, "max_positions", None)
+    if not isinstance(limit, int) or not getattr(cfg, "POSITIONS_BOUND_LENGTH", True):
+        return None, None
+    return limit, limit
 
 
 def is_multilingual(ckpt: dict) -> bool:

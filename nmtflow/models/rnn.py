@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from nmtflow.config import ConfigError
 from nmtflow.data.vocab import PAD
@@ -65,6 +65,21 @@ def masked_mean(x: Tensor, padding_mask: Tensor | None) -> Tensor:
     return (x * keep).sum(1) / keep.sum(1).clamp(min=1.0)
 
 
+def run_lstm(lstm: nn.LSTM, x: Tensor | PackedSequence,
+             hc: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
+    """``lstm(x, hc)``; under CPU autocast in float32, since oneDNN has no bf16 LSTM on most CPUs (PyTorch's
+    "could not create a primitive descriptor" error). On CUDA, or without autocast, it is a plain call."""
+    data = x.data if isinstance(x, PackedSequence) else x
+    if data.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return lstm(x, hc)
+    with torch.autocast("cpu", enabled=False):
+        if not isinstance(x, PackedSequence):
+            x = x.float()
+        elif x.data.dtype != torch.float32:
+            x = x._replace(data=x.data.float())
+        return lstm(x, None if hc is None else (hc[0].float(), hc[1].float()))
+
+
 class BiLSTMEncoder(nn.Module):
     """Embeddings → ``layers`` stacked BiLSTMs → ``{"out": H (B,S,d_h), "padding_mask": (B,S)}``."""
 
@@ -80,7 +95,7 @@ class BiLSTMEncoder(nn.Module):
         lengths = (~padding_mask).sum(1).clamp(min=1)
         x = F.dropout(self.embedding(src), self.dropout, self.training)  # (B,S,E)
         packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
-        out, _ = self.lstm(packed)
+        out, _ = run_lstm(self.lstm, packed)
         h, _ = pad_packed_sequence(out, batch_first=True, total_length=src.size(1))  # (B,S,d_h), 0 at pads
         return {"out": F.dropout(h, self.dropout, self.training), "padding_mask": padding_mask}
 
@@ -133,12 +148,12 @@ class LuongDecoder(nn.Module):
         if self.input_feeding:  # h̃_{t-1} is an input of step t: one step at a time
             outputs = []
             for t in range(tgt_in.size(1)):
-                h, hc = self.lstm(torch.cat([x[:, t:t + 1], feed[:, None]], dim=-1), hc)  # (B,1,d_h)
+                h, hc = run_lstm(self.lstm, torch.cat([x[:, t:t + 1], feed[:, None]], dim=-1), hc)  # (B,1,d_h)
                 feed = self.attend(h, memory, memory_mask)[:, 0]  # (B,d_h)
                 outputs.append(feed)
             h_tilde = torch.stack(outputs, dim=1)  # (B,T,d_h)
         else:
-            h, hc = self.lstm(x, hc)
+            h, hc = run_lstm(self.lstm, x, hc)
             h_tilde = self.attend(h, memory, memory_mask)
         if state is not None:
             state[keys[0]], state[keys[1]] = hc[0].transpose(0, 1), hc[1].transpose(0, 1)  # (B,layers,d_h)

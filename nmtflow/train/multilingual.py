@@ -33,6 +33,7 @@ from nmtflow.data.multilingual import (Direction, LanguageRotatingSampler, Multi
 from nmtflow.data.prepare import load_meta
 from nmtflow.data.tokenizer import Tokenizer, same_model
 from nmtflow.data.vocab import lang_tag
+from nmtflow.decode.multilingual import position_limits
 from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder
@@ -41,7 +42,7 @@ from nmtflow.registry import MODELS
 from nmtflow.train import distributed
 from nmtflow.train.checkpoint import load_checkpoint
 from nmtflow.train.loss import label_smoothed_nll
-from nmtflow.train.trainer import Trainer
+from nmtflow.train.trainer import Trainer, long_sentence_message
 
 log = logging.getLogger("nmtflow.train")
 
@@ -115,11 +116,42 @@ class MultilingualTrainer(Trainer):
                  f"; zero-shot {', '.join(map(str, self.zero_shot))}" if self.zero_shot else "")
 
     def _check_tokenizers(self, ckpt: dict[str, Any], path: str) -> None:
+        """The trained model's languages must keep their tokenizers; adding a language needs per-language ones."""
         for lang, data in ckpt.get("tokenizers", {}).items():
             mine = self.tokenizers.get(lang)
-            if mine is not None and not same_model(mine.path.read_bytes(), data.numpy().tobytes()):
-                raise ConfigError(f"data.path: the {lang} tokenizer differs from the one in {path}; prepare the "
-                                  "new language together with the languages of the trained model")
+            if mine is None or same_model(mine.path.read_bytes(), data.numpy().tobytes()):
+                continue
+            if (ckpt.get("vocab") or {}).get("joint"):
+                raise ConfigError(f"data.path: the {lang} tokenizer differs from the one in {path}, whose model has a "
+                                  "joint vocabulary (one learned on more languages always differs): adding a language "
+                                  "needs per-language vocabularies; train the model on data prepared with "
+                                  "--separate-vocab")
+            raise ConfigError(f"data.path: the {lang} tokenizer differs from the one in {path}; prepare all languages "
+                              "with --separate-vocab and without --lang-tags from the trained model's training files")
+
+    def check_lengths(self) -> None:
+        """Stop before update 1 if a train or valid sentence of any direction is longer than the model's positions
+        (source + EOS, + the ``<2xx>`` tag of a language-label model; target + EOS), naming its split, language
+        and row or line."""
+        src_limit, tgt_limit = position_limits(self.model.config)
+        dc = self.config.data
+        tag = int(self.uses_tags)
+        seen: set[tuple[str, str, int]] = set()
+        splits = [(dc.train_split, self.train_data)] + ([(dc.valid_split, self.valid_data)] if self.valid_data else [])
+        for split, multi in splits:
+            for i, d in enumerate(multi.directions):
+                src_sizes, tgt_sizes = multi.sizes(i)
+                sides = ((d.src, src_sizes, 1 + tag, src_limit), (d.tgt, tgt_sizes, 1, tgt_limit))
+                for lang, sizes, extra, limit in sides:
+                    if limit is None or (split, lang, extra) in seen:
+                        continue
+                    seen.add((split, lang, extra))
+                    too_long = np.flatnonzero(np.asarray(sizes) + extra > limit)
+                    if too_long.size:
+                        counted = "with EOS" + (f" and the {lang_tag(d.tgt)} tag" if extra > 1 else "")
+                        raise ConfigError(long_sentence_message(
+                            dc.path, split, lang, int(too_long[0]), len(too_long), int(sizes[too_long[0]]) + extra,
+                            limit, cleaned=split == dc.train_split, counted=counted))
 
     # ---- model -------------------------------------------------------------------------------------
     def create_model(self) -> EncoderDecoder:
@@ -159,10 +191,17 @@ class MultilingualTrainer(Trainer):
         v = self.vocabs
         ckpt["vocab"] = {"src_size": v.src_size, "tgt_size": v.tgt_size, "joint": v.joint,
                          "encoders": dict(v.encoders), "decoders": dict(v.decoders)}
-        ckpt["langs"] = {"directions": [str(d) for d in self.directions], "zero_shot": [str(d) for d in self.zero_shot]}
+        ckpt["langs"] = {"directions": self.all_directions(), "zero_shot": [str(d) for d in self.zero_shot]}
         ckpt["tokenizers"] = tokenizer_tensors(self.tokenizers)
         ckpt["multilingual"] = True
         return ckpt
+
+    def all_directions(self) -> list[str]:
+        """This run's training directions after those the model was trained on before (``init_checkpoint``: a
+        model languages are added to translates its earlier directions too)."""
+        before = (self.init_checkpoint or {}).get("langs", {}).get("directions", [])
+        before = [d for d in before if Direction.parse(d) not in self.zero_shot]
+        return list(dict.fromkeys([*before, *(str(d) for d in self.directions)]))
 
     # ---- validation --------------------------------------------------------------------------------
     @torch.no_grad()

@@ -70,8 +70,9 @@ class TrainResult:
 
 
 def long_sentence_message(data_dir: str | Path, split: str, lang: str, row: int, count: int, length: int,
-                          limit: int, *, cleaned: bool) -> str:
-    """Where a prepared sentence too long for the model comes from, and what to do about it."""
+                          limit: int, *, cleaned: bool, counted: str = "with EOS") -> str:
+    """Where a prepared sentence too long for the model comes from, and what to do about it (``counted``: what
+    its ``length`` includes besides the pieces, e.g. ``"with EOS and the <2xx> tag"``)."""
     meta = load_meta(data_dir)
     source = (meta.get("source_files") or {}).get(split, {}).get(lang)
     others = f" ({count - 1} more after it)" if count > 1 else ""
@@ -81,7 +82,7 @@ def long_sentence_message(data_dir: str | Path, split: str, lang: str, row: int,
     else:
         where = f"{source}:{row + 1}"
         fix = "shorten or split that line and prepare again"
-    return (f"{where}: a sentence of {length} positions (with EOS){others} does not fit the model's "
+    return (f"{where}: a sentence of {length} positions ({counted}){others} does not fit the model's "
             f"max_positions={limit}; {fix}, or raise model.max_positions")
 
 

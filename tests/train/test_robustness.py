@@ -16,7 +16,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nmtflow.config import ConfigError, to_dict
+from nmtflow.config import ConfigError, load_config, to_dict
 from nmtflow.data.corpus import CorpusError, iter_parallel
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.translate import Translator
@@ -103,6 +103,16 @@ def test_bf16_autocast_trains_on_cpu(copy_data: Path, tmp_path: Path) -> None:
     assert trainer.progress.update == 3
     assert all(torch.isfinite(torch.tensor(loss)) for _, loss in losses(tmp_path / "bf16"))
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
+
+
+def test_bf16_autocast_trains_an_lstm_model_on_cpu(copy_data: Path, tmp_path: Path) -> None:
+    # oneDNN has no bf16 LSTM on most CPUs: the LSTMs run in float32 inside the autocast region
+    config = small_config(copy_data, tmp_path / "rnn", max_updates=2, precision="bf16")
+    config.model = load_config(data={"model": {"name": "rnn", "hidden_dim": 32, "encoder_layers": 1,
+                                               "decoder_layers": 1}}).model
+    trainer = train_in_process(config)
+    assert trainer.progress.update == 2
+    assert all(torch.isfinite(torch.tensor(loss)) for _, loss in losses(tmp_path / "rnn"))
 
 
 @pytest.mark.parametrize("precision", ["fp16", "tf32"])
