@@ -93,17 +93,10 @@ def cmd_average(args: argparse.Namespace) -> None:
 
 
 def _translator(args: argparse.Namespace):
-    from nmtflow.decode.translate import Translator
+    from nmtflow.decode.multilingual import open_translator
     from nmtflow.train.trainer import resolve_device
 
-    if args.src_lang or args.tgt_lang:
-        from nmtflow.decode.multilingual import multilingual_translator
-
-        if not (args.src_lang and args.tgt_lang):
-            raise ValueError("name both --src-lang and --tgt-lang (a direction of a multilingual model)")
-        translator = multilingual_translator(args.checkpoint, args.src_lang, args.tgt_lang, resolve_device(args.device))
-    else:
-        translator = Translator.from_checkpoint(args.checkpoint, resolve_device(args.device))
+    translator = open_translator(args.checkpoint, resolve_device(args.device), args.src_lang, args.tgt_lang)
     d = translator.decode
     for field, value in (("beam_size", args.beam), ("nbest", args.nbest), ("len_penalty", args.lenpen),
                          ("max_len_a", args.max_len_a), ("max_len_b", args.max_len_b),

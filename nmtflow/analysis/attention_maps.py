@@ -33,8 +33,7 @@ from nmtflow.data.batching import TokenBatchSampler, collate
 from nmtflow.data.bitext import Bitext
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.data.vocab import PAD
-from nmtflow.decode.multilingual import multilingual_translator
-from nmtflow.decode.translate import Translator
+from nmtflow.decode.multilingual import open_translator
 from nmtflow.evaluate.perplexity import open_checkpoint_data
 from nmtflow.models.base import EncoderDecoder, device_of
 from nmtflow.nn.attention import AttentionContext, MultiHeadAttention
@@ -237,12 +236,7 @@ def run_attention_analysis(checkpoint: str | Path, out_dir: str | Path, *, src: 
     """
     if src is None and tgt is None and data is None:
         raise ValueError("analyze attention needs --src/--tgt sentences and/or --data DIR")
-    if src_lang or tgt_lang:
-        if not (src_lang and tgt_lang):
-            raise ValueError("analyze attention: give both --src-lang and --tgt-lang (or neither)")
-        translator = multilingual_translator(checkpoint, src_lang, tgt_lang, device)
-    else:
-        translator = Translator.from_checkpoint(checkpoint, device)
+    translator = open_translator(checkpoint, device, src_lang, tgt_lang)
     model, out = translator.model, Path(out_dir)
     model.requires_grad_(False)
     files: list[Path] = []

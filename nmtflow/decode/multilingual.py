@@ -107,3 +107,15 @@ def multilingual_translator(path: str | Path, src_lang: str, tgt_lang: str, devi
     except (ValueError, KeyError) as exc:  # a language or direction the model does not have
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise CheckpointError(f"{path}: {message}") from None
+
+
+
+def open_translator(path: str | Path, device: str | torch.device = "cpu", src_lang: str | None = None,
+                    tgt_lang: str | None = None) -> Translator:
+    """A checkpoint's translator: its own direction, or ``src_lang → tgt_lang`` of a multilingual checkpoint
+    (both named, or neither)."""
+    if not (src_lang or tgt_lang):
+        return Translator.from_checkpoint(path, device)
+    if not (src_lang and tgt_lang):
+        raise ValueError("name both --src-lang and --tgt-lang (a direction of a multilingual model)")
+    return multilingual_translator(path, src_lang, tgt_lang, device)

@@ -54,14 +54,9 @@ def checkpoint_perplexity(checkpoint: str | Path, data_dir: str | Path, split: s
 
     The data must be tokenised with the checkpoint's own SentencePiece model (else the ids mean other pieces).
     """
-    if src_lang or tgt_lang:
-        from nmtflow.decode.multilingual import multilingual_translator
+    from nmtflow.decode.multilingual import open_translator
 
-        if not (src_lang and tgt_lang):
-            raise ValueError("name both --src-lang and --tgt-lang (a direction of a multilingual model)")
-        translator = multilingual_translator(checkpoint, src_lang, tgt_lang, device)
-    else:
-        translator = Translator.from_checkpoint(checkpoint, device)
+    translator = open_translator(checkpoint, device, src_lang, tgt_lang)
     direction = translator_direction(translator)
     data = open_checkpoint_data(translator, data_dir, split, checkpoint=checkpoint)
     check_positions(translator, data, data_dir, split)
