@@ -72,7 +72,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer_cls = MultilingualTrainer
     trainer = trainer_cls(config, resume=not args.restart)
     result = trainer.train()
-    print(f"{result.progress.stopped}; checkpoints in {result.save_dir}")
+    if int(os.environ.get("RANK", "0")) == 0:  # torchrun: one line, not one per process
+        print(f"{result.progress.stopped}; checkpoints in {result.save_dir}")
     return 130 if result.progress.stopped.startswith("interrupted") else 0  # scripts can tell a stop from the end
 
 
@@ -406,8 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("quickstart", help="generate the built-in corpus, train a small Transformer, translate, print BLEU")
-    p.add_argument("--workdir", default="runs/quickstart")
-    p.add_argument("--minutes", type=float, default=6.0, help="training budget in minutes")
+    p.add_argument("--workdir", default="runs/quickstart", help="where everything is written (default: %(default)s)")
+    p.add_argument("--minutes", type=float, default=6.0, help="training budget in minutes (default: %(default)s)")
     p.add_argument("--threads", type=int, default=None)
 
     p = sub.add_parser("compare", help="train several configs under one budget; BLEU/chrF/speed/memory table + plots")
@@ -444,7 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.max_updates=100")
     p.add_argument("--save-dir")
     p.add_argument("--data", help="prepared data directory (overrides data.path)")
-    p.add_argument("--restart", action="store_true", help="ignore an existing checkpoint_last.pt")
+    p.add_argument("--restart", action="store_true",
+                   help="start afresh: ignore an existing checkpoint_last.pt and delete the earlier run's checkpoints "
+                        "and TensorBoard events in the save dir")
 
     p = sub.add_parser("average", help="average checkpoints (a save dir's last N, or given files)")
     p.add_argument("checkpoints", nargs="+")
