@@ -114,23 +114,9 @@ def _translator(args: argparse.Namespace):
 
 
 def _read_lines(path: str) -> list[str]:
-    from nmtflow.data.corpus import CorpusError
+    from nmtflow.data.corpus import read_lines
 
-    try:
-        data = Path(path).read_bytes()
-        text = data.decode("utf-8")
-    except FileNotFoundError:
-        raise CorpusError(path, "file not found") from None
-    except IsADirectoryError:
-        raise CorpusError(path, "not a regular file") from None
-    except UnicodeDecodeError as exc:  # binary garbage, another encoding
-        start = data.rfind(b"\n", 0, exc.start) + 1
-        raise CorpusError(path, f"invalid UTF-8 at byte offset {exc.start - start} of the line ({exc.reason})",
-                          line=data.count(b"\n", 0, exc.start) + 1) from None
-    lines = text.removeprefix("\ufeff").split("\n")  # a byte-order mark, as `prepare` tolerates it
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [ln.rstrip("\r") for ln in lines]
+    return read_lines(path)
 
 
 def _stdin_lines():

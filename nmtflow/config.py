@@ -376,14 +376,14 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = (),
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     base = data.pop("base", None)
+    own = data  # this file's keys (merging builds new dicts: own stays as read)
     if base is not None:
         base_path = Path(base)
         if not base_path.is_absolute():
             base_path = path.parent / base_path
-        data = _deep_merge(read_yaml(base_path, _seen + (path.resolve(),), origins), data)
-    if origins is not None:
-        _record_origins({k: v for k, v in yaml_load(path.read_text(encoding="utf-8")).items() if k != "base"},
-                        str(path), origins)
+        data = _deep_merge(read_yaml(base_path, _seen + (path.resolve(),), origins), own)
+    if origins is not None:  # after the base's: this file's keys override its origins
+        _record_origins(own, str(path), origins)
     return data
 
 

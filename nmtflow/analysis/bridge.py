@@ -40,7 +40,7 @@ from nmtflow.analysis import plots
 from nmtflow.analysis.report import write_report
 from nmtflow.analysis.states import default_labels
 from nmtflow.data.batching import collate
-from nmtflow.data.corpus import CorpusError
+from nmtflow.data.corpus import CorpusError, read_lines
 from nmtflow.data.multilingual import Direction
 from nmtflow.data.vocab import PAD
 from nmtflow.decode.multilingual import is_multilingual, load_multilingual
@@ -158,24 +158,6 @@ def load_checkpoints(paths: Sequence[str | Path], labels: Sequence[str] | None =
     return out
 
 
-def read_sentences(path: str | Path) -> list[str]:
-    """The lines of a UTF-8 text file (without line ends); errors name the file and line."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise CorpusError(path, "file not found") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        start = data.rfind(b"\n", 0, exc.start) + 1  # the byte offset within its line, as in cli._read_lines
-        raise CorpusError(path, f"invalid UTF-8 at byte offset {exc.start - start} of the line ({exc.reason})",
-                          line=data[:exc.start].count(b"\n") + 1) from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [ln.rstrip("\r") for ln in lines]
-
-
 # ---- BLEU by source length ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Bucket:
@@ -245,7 +227,7 @@ def run_length_bleu(checkpoints: Sequence[str | Path], src: str | Path, ref: str
                     device: str | torch.device = "cpu") -> dict[str, Any]:
     """``nmtflow analyze length-bleu``: write ``length_bleu.json`` and ``length_bleu.png``."""
     spec = parse_buckets(buckets)
-    sources, references = read_sentences(src), read_sentences(ref)
+    sources, references = read_lines(src), read_lines(ref)
     if len(sources) != len(references):
         raise ValueError(f"{src} has {len(sources)} lines but {ref} has {len(references)}")
     if max_sentences is not None:
@@ -401,7 +383,7 @@ def run_head_entropy(checkpoints: Sequence[str | Path], src: str | Path, out_dir
     Uses the non-empty lines of ``src`` with at most ``max_words`` words (the paper: up to 40), the first
     ``max_sentences`` of them.
     """
-    sentences = [s for s in read_sentences(src) if s.strip() and (max_words is None or word_length(s) <= max_words)]
+    sentences = [s for s in read_lines(src) if s.strip() and (max_words is None or word_length(s) <= max_words)]
     sentences = sentences[:max_sentences] if max_sentences is not None else sentences
     if not sentences:
         raise CorpusError(src, "no sentences to analyse" + (f" of at most {max_words} words" if max_words else ""))

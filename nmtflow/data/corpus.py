@@ -31,6 +31,26 @@ class CorpusError(ValueError):
         return (type(self), (self.file, self.problem, self.line))
 
 
+def read_lines(path: str | Path) -> list[str]:
+    """The lines of a UTF-8 text file, without line ends (CRLF or LF) or a byte-order mark; errors are
+    :class:`CorpusError` naming the file, and for invalid UTF-8 the line and byte offset within it."""
+    try:
+        data = Path(path).read_bytes()
+        text = data.decode("utf-8")
+    except FileNotFoundError:
+        raise CorpusError(path, "file not found") from None
+    except IsADirectoryError:
+        raise CorpusError(path, "not a regular file") from None
+    except UnicodeDecodeError as exc:  # binary garbage, another encoding
+        start = data.rfind(b"\n", 0, exc.start) + 1
+        raise CorpusError(path, f"invalid UTF-8 at byte offset {exc.start - start} of the line ({exc.reason})",
+                          line=data.count(b"\n", 0, exc.start) + 1) from None
+    lines = text.removeprefix("\ufeff").split("\n")  # a byte-order mark, as `prepare` tolerates it
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [ln.rstrip("\r") for ln in lines]
+
+
 def normalize_line(text: str) -> str:
     """Collapse every run of whitespace to one space and strip both ends."""
     return " ".join(text.split())

@@ -10,7 +10,7 @@ import torch
 from nmtflow.config import Config, DecodeConfig, config_from_dict
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.data.vocab import lang_tag
-from nmtflow.decode.translate import Translator, tokenizer_from_bytes
+from nmtflow.decode.translate import Translator, position_limits, tokenizer_from_bytes
 from nmtflow.models.base import build_model
 from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
 from nmtflow.train.checkpoint import CheckpointError, load_checkpoint
@@ -47,20 +47,6 @@ class MultilingualCheckpoint:
         src_tok, tgt_tok = self.tokenizer(src_lang), self.tokenizer(tgt_lang)
         return Translator(self.model.pair(src_lang, tgt_lang), src_tok, tgt_tok, decode or self.config.decode,
                           self.config, src_prefix=self.source_prefix(tgt_lang))
-
-
-def position_limits(cfg: Any) -> tuple[int | None, int | None]:
-    """Positions a source and a target (EOS and any tag included) may take in a multilingual model; None where
-    positions do not bound that side (LSTMs)."""
-    sides = (getattr(cfg, "encoder", None), getattr(cfg, "decoder", None))
-    if all(isinstance(side, str) for side in sides):  # the bridge: a stack per side, rnn or transformer
-        limit = int(cfg.max_positions)
-        return tuple(limit if side == "transformer" else None for side in sides)  # type: ignore[return-value]
-    cfg = getattr(cfg, "backbone", cfg)  # a language-label model: its backbone's
-    limit = getattr(cfg, "max_positions", None)
-    if not isinstance(limit, int) or not getattr(cfg, "POSITIONS_BOUND_LENGTH", True):
-        return None, None
-    return limit, limit
 
 
 def is_multilingual(ckpt: dict) -> bool:

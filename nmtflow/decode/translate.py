@@ -10,7 +10,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, TextIO
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 import numpy as np
 import torch
@@ -91,14 +91,23 @@ def batches_by_length(lengths: list[int], max_tokens: int) -> Iterator[list[int]
         yield batch
 
 
-def source_positions(model: EncoderDecoder) -> int | None:
-    """Positions a source may take (EOS and any prefix tag included); None where positions do not bound it."""
-    cfg = model.config
+def position_limits(cfg: Any) -> tuple[int | None, int | None]:
+    """Positions a source and a target (EOS and any tag included) may take in a model of config ``cfg``; None
+    where positions do not bound that side (LSTMs: ``POSITIONS_BOUND_LENGTH = False``)."""
+    sides = (getattr(cfg, "encoder", None), getattr(cfg, "decoder", None))
+    if all(isinstance(side, str) for side in sides):  # the bridge: a stack per side, rnn or transformer
+        limit = int(cfg.max_positions)
+        return tuple(limit if side == "transformer" else None for side in sides)  # type: ignore[return-value]
     cfg = getattr(cfg, "backbone", cfg)  # a language-label model: its backbone's
     limit = getattr(cfg, "max_positions", None)
     if not isinstance(limit, int) or not getattr(cfg, "POSITIONS_BOUND_LENGTH", True):
-        return None
-    return limit
+        return None, None
+    return limit, limit
+
+
+def source_positions(model: EncoderDecoder) -> int | None:
+    """Positions a source may take (EOS and any prefix tag included); None where positions do not bound it."""
+    return position_limits(model.config)[0]
 
 
 @dataclass

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from nmtflow.data.corpus import read_lines
 from nmtflow.runtime import keep_freed_memory
 
 TRAINED, FINISHED = "trained.json", "finished.json"
@@ -62,13 +63,6 @@ def train_tokens_per_s(save_dir: str | Path) -> float | None:
 
     speeds = [e["tgt_tokens_per_s"] for e in read_log(save_dir) if e.get("kind") == "speed"]
     return mean(speeds) if speeds else None
-
-
-def read_lines(path: str | Path) -> list[str]:
-    lines = Path(path).read_text(encoding="utf-8").split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [ln.rstrip("\r") for ln in lines]
 
 
 def train(config: Any) -> Any:

@@ -9,14 +9,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from nmtflow.data.batching import TokenBatchSampler
-from nmtflow.data.bitext import Bitext, open_bitext
+from nmtflow.data.bitext import Bitext, check_sentence_lengths, open_bitext
 from nmtflow.data.prepare import load_meta
 from nmtflow.data.tokenizer import same_model
-from nmtflow.decode.translate import Translator, source_positions
+from nmtflow.decode.translate import Translator, position_limits
 from nmtflow.evaluate.metrics import perplexity
 from nmtflow.models.base import EncoderDecoder, device_of
 from nmtflow.train.loss import label_smoothed_nll
@@ -77,20 +76,13 @@ def translator_direction(translator: Translator) -> tuple[str, str]:
 
 
 def check_positions(translator: Translator, data: Bitext, data_dir: str | Path, split: str) -> None:
-    """A sentence longer than the model's positions is an error naming its row (perplexity never truncates)."""
-    positions = source_positions(translator.model)
-    if positions is None:
-        return
+    """A sentence longer than the model's positions is an error naming its line or row (perplexity never
+    truncates)."""
+    src_limit, tgt_limit = position_limits(translator.model.config)
     src_lang, tgt_lang = translator_direction(translator)
-    for lang, sizes, extra in ((src_lang, data.src.sizes, 1 + (data.src_prefix is not None)),
-                               (tgt_lang, data.tgt.sizes, 1)):
-        too_long = np.flatnonzero(np.asarray(sizes) + extra > positions)
-        if too_long.size:
-            row = int(too_long[0])
-            others = f" ({too_long.size - 1} more after it)" if too_long.size > 1 else ""
-            raise ValueError(f"{data_dir}: {split}.{lang} row {row + 1}: a sentence of {int(sizes[row]) + extra} "
-                             f"positions{others} does not fit the model's max_positions={positions} (perplexity "
-                             "scores whole sentences only)")
+    for lang, sizes, extra, limit in ((src_lang, data.src.sizes, 1 + (data.src_prefix is not None), src_limit),
+                                      (tgt_lang, data.tgt.sizes, 1, tgt_limit)):
+        check_sentence_lengths(data_dir, split, lang, sizes, extra, limit, cleaned=False)
 
 
 def open_checkpoint_data(translator: Translator, data_dir: str | Path, split: str, *,

@@ -27,14 +27,13 @@ import torch
 
 from nmtflow.config import ConfigError
 from nmtflow.data.batching import Batch, TokenBatchSampler
-from nmtflow.data.bitext import tokenizer_path
+from nmtflow.data.bitext import check_sentence_lengths, tokenizer_path
 from nmtflow.data.multilingual import (Direction, LanguageRotatingSampler, MultiBitext, open_directions,
                                        plan_directions)
 from nmtflow.data.prepare import load_meta
 from nmtflow.data.tokenizer import Tokenizer, same_model
 from nmtflow.data.vocab import lang_tag
-from nmtflow.decode.multilingual import position_limits
-from nmtflow.decode.translate import Translator, bytes_tensor
+from nmtflow.decode.translate import Translator, bytes_tensor, position_limits
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder
 from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
@@ -42,7 +41,7 @@ from nmtflow.registry import MODELS
 from nmtflow.train import distributed
 from nmtflow.train.checkpoint import load_checkpoint
 from nmtflow.train.loss import label_smoothed_nll
-from nmtflow.train.trainer import Trainer, long_sentence_message
+from nmtflow.train.trainer import Trainer
 
 log = logging.getLogger("nmtflow.train")
 
@@ -143,15 +142,12 @@ class MultilingualTrainer(Trainer):
                 src_sizes, tgt_sizes = multi.sizes(i)
                 sides = ((d.src, src_sizes, 1 + tag, src_limit), (d.tgt, tgt_sizes, 1, tgt_limit))
                 for lang, sizes, extra, limit in sides:
-                    if limit is None or (split, lang, extra) in seen:
+                    if (split, lang, extra) in seen:
                         continue
                     seen.add((split, lang, extra))
-                    too_long = np.flatnonzero(np.asarray(sizes) + extra > limit)
-                    if too_long.size:
-                        counted = "with EOS" + (f" and the {lang_tag(d.tgt)} tag" if extra > 1 else "")
-                        raise ConfigError(long_sentence_message(
-                            dc.path, split, lang, int(too_long[0]), len(too_long), int(sizes[too_long[0]]) + extra,
-                            limit, cleaned=split == dc.train_split, counted=counted))
+                    counted = "with EOS" + (f" and the {lang_tag(d.tgt)} tag" if extra > 1 else "")
+                    check_sentence_lengths(dc.path, split, lang, sizes, extra, limit, cleaned=split == dc.train_split,
+                                           counted=counted)
 
     # ---- model -------------------------------------------------------------------------------------
     def create_model(self) -> EncoderDecoder:

@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from nmtflow.config import CUDA_ONLY_PRECISIONS, Config, ConfigError, to_dict
 from nmtflow.data.batching import Batch, TokenBatchSampler
-from nmtflow.data.bitext import Bitext, open_bitext, tokenizer_path
+from nmtflow.data.bitext import check_sentence_lengths, open_bitext, tokenizer_path
 from nmtflow.data.prepare import load_meta
 from nmtflow.data.tokenizer import Tokenizer, same_model
-from nmtflow.decode.translate import Translator, bytes_tensor
+from nmtflow.decode.translate import Translator, bytes_tensor, position_limits
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
 from nmtflow.runtime import autocast, keep_freed_memory, use_precision
@@ -67,23 +67,6 @@ class TrainResult:
     progress: Progress
     save_dir: Path
     history: list[dict[str, Any]] = field(default_factory=list)
-
-
-def long_sentence_message(data_dir: str | Path, split: str, lang: str, row: int, count: int, length: int,
-                          limit: int, *, cleaned: bool, counted: str = "with EOS") -> str:
-    """Where a prepared sentence too long for the model comes from, and what to do about it (``counted``: what
-    its ``length`` includes besides the pieces, e.g. ``"with EOS and the <2xx> tag"``)."""
-    meta = load_meta(data_dir)
-    source = (meta.get("source_files") or {}).get(split, {}).get(lang)
-    others = f" ({count - 1} more after it)" if count > 1 else ""
-    if cleaned or not source:  # training rows are filtered by prepare, so a row is not a line of the text
-        where = f"{data_dir}: {split}.{lang} row {row + 1}"
-        fix = "prepare the data again with a smaller --max-len"
-    else:
-        where = f"{source}:{row + 1}"
-        fix = "shorten or split that line and prepare again"
-    return (f"{where}: a sentence of {length} positions ({counted}){others} does not fit the model's "
-            f"max_positions={limit}; {fix}, or raise model.max_positions")
 
 
 class Trainer:
@@ -124,6 +107,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda") if tc.precision == "fp16" else None
         self.progress = Progress()
         self.writer = None
+        self._purge_step: int | None = None  # set on resume: TensorBoard drops later events
         last = self.save_dir / "checkpoint_last.pt"
         if resume and last.is_file():
             ckpt = load_checkpoint(last, self.device)
@@ -178,20 +162,15 @@ class Trainer:
 
     def check_lengths(self) -> None:
         """Stop before training if a sentence is longer than the model's positions (its line named), not at it."""
-        limit = getattr(self.model.config, "max_positions", None)
-        if not isinstance(limit, int) or not getattr(self.model.config, "POSITIONS_BOUND_LENGTH", True) \
-                or not isinstance(self.train_data, Bitext):  # (the multilingual trainer's data are per direction)
-            return
         dc = self.config.data
-        prefix = int(getattr(self.train_data, "src_prefix", None) is not None)
+        prefix = int(self.train_data.src_prefix is not None)
+        src_limit, tgt_limit = position_limits(self.model.config)
         splits = [(dc.train_split, self.train_data)] + ([(dc.valid_split, self.valid_data)] if self.valid_data else [])
         for split, bitext in splits:
-            for lang, data, extra in ((dc.src_lang, bitext.src, 1 + prefix), (dc.tgt_lang, bitext.tgt, 1)):
-                too_long = np.flatnonzero(np.asarray(data.sizes) + extra > limit)
-                if too_long.size:
-                    raise ConfigError(long_sentence_message(dc.path, split, lang, int(too_long[0]), len(too_long),
-                                                            int(data.sizes[too_long[0]]) + extra, limit,
-                                                            cleaned=split == dc.train_split))
+            for lang, data, extra, limit in ((dc.src_lang, bitext.src, 1 + prefix, src_limit),
+                                             (dc.tgt_lang, bitext.tgt, 1, tgt_limit)):
+                check_sentence_lengths(dc.path, split, lang, data.sizes, extra, limit,
+                                       cleaned=split == dc.train_split)
 
     def create_model(self) -> EncoderDecoder:
         """The model to train; its trainable parameters (``requires_grad``) go to the optimiser."""
@@ -317,7 +296,7 @@ class Trainer:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.writer = SummaryWriter(str(self.save_dir / "tensorboard"),
-                                            purge_step=getattr(self, "_purge_step", None))
+                                            purge_step=self._purge_step)
             except ImportError:  # tensorboard is optional at run time
                 self.writer = False
         if self.writer:
