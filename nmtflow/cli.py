@@ -136,7 +136,7 @@ def _stdin_lines():
 
 
 @command
-def cmd_translate(args: argparse.Namespace) -> None:
+def cmd_translate(args: argparse.Namespace) -> int | None:
     from nmtflow.decode.translate import output_file
 
     translator = _translator(args)
@@ -147,15 +147,27 @@ def cmd_translate(args: argparse.Namespace) -> None:
         if interactive:
             print("nmtflow: type a sentence and press Enter (Ctrl-D to quit)", file=sys.stderr)
         results = translator.translate_stream(_stdin_lines(), chunk=1 if interactive or args.unbuffered else 1000)
+    written, interrupted = 0, False
     with output_file(args.output) as out:  # stdout without -o
-        for n, nbest in enumerate(results):
-            if translator.decode.nbest > 1:
-                for text, score in nbest:
-                    out.write(f"{n}\t{score:.4f}\t{text}\n")
-            else:
-                out.write(nbest[0][0] + "\n")
-            if interactive or args.unbuffered:
-                out.flush()
+        try:
+            for n, nbest in enumerate(results):
+                if translator.decode.nbest > 1:
+                    for text, score in nbest:
+                        out.write(f"{n}\t{score:.4f}\t{text}\n")
+                else:
+                    out.write(nbest[0][0] + "\n")
+                written = n + 1
+                if interactive or args.unbuffered:
+                    out.flush()
+        except KeyboardInterrupt:
+            if args.input is not None:  # a file's translation cut short: -o keeps its previous contents
+                raise
+            interrupted = True  # read from stdin: what was translated so far is kept, in -o too
+    if interrupted:
+        print(f"interrupted: {written} translation(s) written" + (f" to {args.output}" if args.output else ""),
+              file=sys.stderr)
+        return 130
+    return None
 
 
 @command

@@ -6,8 +6,8 @@ state. It trains on one part of the split's sentences and reports accuracy on th
 a layer still carries the token's identity, the higher the accuracy.
 
 Choices the paper leaves open: the split's sentences are divided at random (seeded, the same for every
-checkpoint) into training and held-out parts; BOS and EOS positions are not probed; states are
-standardised with the training part's per-feature mean and std (layers differ in scale under pre-norm);
+checkpoint) into training and held-out parts, a repeated sentence pair kept once; BOS and EOS positions are
+not probed; states are standardised with the training part's per-feature mean and std (layers differ in scale under pre-norm);
 the probe predicts among the sub-words seen in its training part, so an unseen held-out sub-word counts as
 an error (its share is reported as ``unseen``); Adam, lr 1e-3, a fixed number of epochs.
 """
@@ -96,14 +96,29 @@ def train_and_score(x_train: Tensor, y_train: Tensor, x_test: Tensor, y_test: Te
     return float((predicted == y_test).float().mean()) if len(y_test) else float("nan")
 
 
+def distinct_pairs(m: Model, rows: np.ndarray) -> np.ndarray:
+    """``rows`` less repeats of an earlier row's sentence pair: a pair in both parts would let the probe be scored
+    on the very states it was trained on."""
+    seen: set[tuple[bytes, bytes]] = set()
+    keep = []
+    for row in rows.tolist():
+        pair = (m.data.src[row].tobytes(), m.data.tgt[row].tobytes())
+        if pair not in seen:
+            seen.add(pair)
+            keep.append(row)
+    if len(keep) < len(rows):
+        log.info("%s: %d repeated sentence pair(s) of the split left out of the probes", m.label, len(rows) - len(keep))
+    return np.asarray(keep, dtype=rows.dtype)
+
+
 def probe_model(m: Model, cfg: ProbeConfig) -> dict[str, Any]:
     """Held-out probe accuracy per layer of the encoder and the decoder of one model."""
-    rows = sentence_rows(len(m.data), cfg.max_sentences, cfg.seed)
+    rows = distinct_pairs(m, sentence_rows(len(m.data), cfg.max_sentences, cfg.seed))
     n_test = max(1, round(len(rows) * cfg.holdout))
     if len(rows) - n_test < 1:
         raise ValueError(f"{m.path}: too few sentences ({len(rows)}) to train and evaluate probes")
     train, test = collect(m, rows[n_test:], cfg), collect(m, rows[:n_test], cfg)
-    result: dict[str, Any] = {"checkpoint": str(m.path)}
+    result: dict[str, Any] = {"checkpoint": str(m.path), "sentences": {"train": len(rows) - n_test, "held_out": n_test}}
     for side in SIDES:
         (y_train, x_train), (y_test, x_test) = train[side], test[side]
         result[side] = []

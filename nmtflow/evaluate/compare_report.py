@@ -147,7 +147,8 @@ def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]
               "so later runs include earlier ones")
     header = [
         f"# Comparison: {exp.name}", "",
-        *([exp.description.strip(), ""] if exp.description else []),
+        *([f"{exp.file or 'The experiment file'} says: {exp.description.strip()} (what ran is below: `--set` and "
+           "`--only` may have changed it)", ""] if exp.description else []),
         f"- command: `{command}`",
         f"- date: {date}",
         f"- machine: {machine['system']} {machine['arch']}, {machine['cpus']} CPUs, torch {machine['torch']}, "

@@ -7,6 +7,7 @@ self-contained), and for resuming ``optimizer``, ``scheduler``, ``progress``, ``
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
@@ -19,6 +20,10 @@ from nmtflow.data.tokenizer import same_model
 from nmtflow.runtime import new_file_mode
 
 FORMAT = "nmtflow-1"
+LOCK_NAME = ".lock"  # in a save dir: held by the process that trains there
+
+log = logging.getLogger(__name__)
+_held_locks: dict[str, int] = {}  # save dir (real path) → descriptor of its locked .lock file
 
 
 class CheckpointError(ValueError):
@@ -47,6 +52,60 @@ def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise OSError(f"{path}: could not write the checkpoint ({reason[:200]})") from None
         raise
+
+
+class SaveDirBusy(ValueError):
+    """Another process is training in the save dir; the message names it and that process."""
+
+
+def lock_save_dir(save_dir: str | Path) -> None:
+    """Hold an exclusive lock on ``save_dir/.lock`` for this process, until :func:`unlock_save_dir` or exit.
+
+    A second training in the same directory (the same job launched twice) then stops with an error naming the
+    directory and the first one's pid, instead of overwriting its checkpoints. The operating system drops the
+    lock when the process ends, however it ends (``kill -9`` included), so a stale lock never blocks a resume.
+    Taking it again in the same process is a no-op; on a file system without ``flock`` there is no lock.
+    """
+    import fcntl
+
+    key = os.path.realpath(save_dir)
+    if key in _held_locks:
+        return
+    lock = Path(save_dir) / LOCK_NAME
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, new_file_mode())
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.read(fd, 64).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise SaveDirBusy(f"{save_dir}: another training is running in this directory (pid {owner}); wait for "
+                          "it to end, or give this one another save dir") from None
+    except OSError as exc:  # e.g. a network file system without flock
+        os.close(fd)
+        log.debug("%s: not locked (%s)", lock, exc)
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _held_locks[key] = fd
+
+
+def unlock_save_dir(save_dir: str | Path) -> None:
+    """Release the lock of :func:`lock_save_dir` (the ``.lock`` file stays: removing it would race a waiter)."""
+    fd = _held_locks.pop(os.path.realpath(save_dir), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def remove_interrupted_saves(save_dir: str | Path) -> list[Path]:
+    """Delete the temporary files of checkpoint writes that never finished (a ``kill -9`` or power loss during
+    :func:`save_atomic`); call it only under :func:`lock_save_dir`, when no save can be in progress."""
+    leftovers = [p for p in Path(save_dir).glob(".checkpoint_*.tmp") if p.is_file()]
+    for path in leftovers:
+        path.unlink(missing_ok=True)
+    if leftovers:
+        log.warning("%s: removed %d unfinished checkpoint write(s) of an earlier, killed run: %s", save_dir,
+                    len(leftovers), ", ".join(p.name for p in leftovers))
+    return leftovers
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -34,7 +34,8 @@ from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
 from nmtflow.runtime import autocast, keep_freed_memory, use_precision
 from nmtflow.train import distributed
-from nmtflow.train.checkpoint import FORMAT, load_checkpoint, periodic_checkpoints, save_atomic
+from nmtflow.train.checkpoint import (FORMAT, load_checkpoint, lock_save_dir, periodic_checkpoints,
+                                      remove_interrupted_saves, save_atomic, unlock_save_dir)
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
@@ -95,6 +96,9 @@ class Trainer:
         use_precision(tc.precision)
         self.save_dir = Path(tc.save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main:  # one training per save dir; released at the end of train() or at exit
+            lock_save_dir(self.save_dir)
+            remove_interrupted_saves(self.save_dir)
         torch.manual_seed(tc.seed)
 
         self.setup_data()
@@ -449,6 +453,8 @@ class Trainer:
         if self.dist.enabled:
             distributed.barrier()  # rank 0 has written its last checkpoint
             distributed.cleanup()
+        if self.dist.is_main:
+            unlock_save_dir(self.save_dir)
         return TrainResult(p, self.save_dir, read_log(self.save_dir))
 
     # ---- validation -------------------------------------------------------------------------------

@@ -172,3 +172,17 @@ def test_similarity_without_shortcuts_removes_an_earlier_gate_plot(checkpoints: 
     code = main(["analyze", "similarity", checkpoints[0], "--data", str(copy_data), "--out", str(tmp_path),
                  "--max-sentences", "20", "--device", "cpu"])
     assert code == 0 and not (tmp_path / "gates.png").exists()
+
+
+def test_a_repeated_sentence_pair_is_probed_once() -> None:
+    """A pair in both the training and the held-out part would score the probe on states it was trained on."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from nmtflow.analysis.probes import distinct_pairs
+
+    src = [np.array([5, 6]), np.array([7]), np.array([5, 6]), np.array([5, 6]), np.array([7])]
+    tgt = [np.array([9]), np.array([9]), np.array([9]), np.array([8]), np.array([9])]
+    m = SimpleNamespace(label="m", data=SimpleNamespace(src=src, tgt=tgt))
+    rows = np.array([4, 0, 3, 2, 1])
+    assert distinct_pairs(m, rows).tolist() == [4, 0, 3]  # 2 repeats 0's pair, 1 repeats 4's; 3 differs in tgt

@@ -111,6 +111,46 @@ def test_a_failed_translate_keeps_the_existing_output(ckpt: str, tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "keep.hyp"]
 
 
+class InterruptedStdin:
+    """stdin on which the user types ``lines`` and then presses Ctrl-C."""
+
+    def __init__(self, lines: list[bytes]) -> None:
+        self.buffer = self._lines(lines)
+
+    @staticmethod
+    def _lines(lines: list[bytes]):
+        yield from lines
+        raise KeyboardInterrupt
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_ctrl_c_on_stdin_keeps_the_translations_so_far(ckpt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C ends a translation from stdin: -o gets the lines translated before it, the exit code is 130."""
+    out = tmp_path / "session.hyp"
+    out.write_text("yesterday's output\n", encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", InterruptedStdin([b"alpha\n", b"bravo\n"]))
+    code, _, err = run(["translate", ckpt, "-o", str(out), "--unbuffered", "--max-len-b", "1", "--greedy"], capsys)
+    assert code == 130 and f"interrupted: 2 translation(s) written to {out}" in err
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session.hyp"]
+    # from a file, an interrupted translation leaves the previous -o as it was
+    src = tmp_path / "in.txt"
+    src.write_text("alpha\nbravo\n", encoding="utf-8")
+
+    def interrupted(*args: object, **kwargs: object):
+        yield [("first", 0.0)]
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Translator, "translate_stream", interrupted)
+    before = out.read_text(encoding="utf-8")
+    code, _, err = run(["translate", ckpt, "-i", str(src), "-o", str(out)], capsys)
+    assert code == 130 and out.read_text(encoding="utf-8") == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "session.hyp"]
+
+
 # ---- bug 4: inputs longer than the model's positions ---------------------------------------------------------
 def test_translate_truncates_inputs_to_the_model_positions(ckpt: str, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str],

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 TINY = """\
 name: tiny
+description: Baseline vs shortcuts, 10 updates each.
 data:
   synthetic: {n_train: 300, n_valid: 20, n_test: 20, langs: [en, de]}
   directions: [en-de]
@@ -58,6 +59,7 @@ def test_two_config_comparison_writes_table_json_and_plots(compared) -> None:
     assert not result.failed
     md = (out / "results.md").read_text(encoding="utf-8")
     assert "- command: `nmtflow compare" in md and "- budget: 10 updates per run" in md and "- machine:" in md
+    assert "tiny.yaml says: Baseline vs shortcuts, 10 updates each. (what ran is below" in md  # the file's words
     rows = table_rows(md)
     head, sep, body = rows[0], rows[1], rows[2:]
     assert head == ["run", "BLEU", "chrF", "parameters", "train tok/s", "decode sent/s", "peak memory", "wall time"]

@@ -209,3 +209,41 @@ def test_translate_and_score_on_random_unicode(tiny_translator: Translator, line
     except ValueError:
         return
     assert len(out) == len(scores) == len(lines)
+
+
+def test_one_training_per_save_dir_and_killed_saves_are_cleaned(copy_data: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A second training in a save dir in use stops with an error naming it; a finished one releases the dir;
+    the temporary file of a checkpoint write cut short by ``kill -9`` is removed when training starts there."""
+    import fcntl
+
+    from nmtflow.cli import main
+
+    save = tmp_path / "run"
+    save.mkdir()
+    config = small_config(copy_data, save, max_updates=2)
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump(to_dict(config)), encoding="utf-8")
+    other = os.open(save / ".lock", os.O_RDWR | os.O_CREAT)  # another process's training holds the directory
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(other, b"4242\n")
+        threads = torch.get_num_threads()
+        try:
+            code = main(["train", str(cfg_file)])
+        finally:
+            torch.set_num_threads(threads)
+        err = capsys.readouterr().err
+        assert code == 2 and f"{save}: another training is running in this directory (pid 4242)" in err
+        assert not (save / "checkpoint_last.pt").exists()
+    finally:
+        os.close(other)  # that process ends: its lock goes with it
+    torn = save / ".checkpoint_last.pt.k9x2ab.tmp"
+    torn.write_bytes(b"\x80\x02 half a checkpoint")
+    train_in_process(config)
+    assert not torn.exists() and (save / "checkpoint_last.pt").is_file()
+    probe = os.open(save / ".lock", os.O_RDWR)
+    try:
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when train() returned
+    finally:
+        os.close(probe)
