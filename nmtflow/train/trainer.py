@@ -332,7 +332,8 @@ class Trainer:
 
         The loss is normalised by the target tokens of the whole update over all ranks, so N ranks equal one
         process that accumulates their batches. A non-finite loss or gradient norm skips the update
-        (``skipped`` = 1, gradients zeroed); all ranks agree because the loss is all-reduced.
+        (``skipped`` = 1, gradients zeroed; ``overflow`` = 1 where only fp16 gradients overflowed, which lowers
+        the loss scale); all ranks agree because the loss and the gradients are all-reduced.
         """
         tc = self.config.train
         self.model.train()
@@ -364,13 +365,16 @@ class Trainer:
         clip = tc.clip_norm
         params = [p for p in self.model.parameters() if p.grad is not None]
         gnorm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf")))
-        if not math.isfinite(loss_sum) or (self.scaler is None and not math.isfinite(gnorm)):
+        if not (math.isfinite(loss_sum) and math.isfinite(gnorm)):
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:
-                self.scaler.update()  # lowers the scale after the overflow
-            return {**stats, "gnorm": gnorm, "skipped": 1.0}
+                self.scaler.update()  # lowers the fp16 loss scale after an overflow
+            # a finite loss with fp16 gradients that overflowed at this loss scale: the scale was too high, not
+            # the model broken; the batch is dropped and neither the update count nor the schedule advances
+            overflow = float(self.scaler is not None and math.isfinite(loss_sum))
+            return {**stats, "gnorm": gnorm, "skipped": 1.0, "overflow": overflow}
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # itself skips steps whose fp16 gradients overflowed
+            self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
@@ -404,7 +408,16 @@ class Trainer:
                     p.epoch, p.position = p.epoch + 1, 0
                 p.elapsed = time.perf_counter() - start
                 skipped = bool(stats["skipped"])
-                if skipped:
+                if stats.get("overflow"):
+                    scale = self.scaler.get_scale() if self.scaler is not None else 0.0
+                    self.record("overflow", {"loss_scale": scale})
+                    log.info("fp16 gradients overflowed after update %d: loss scale lowered to %g, batch dropped",
+                             p.update, scale)
+                    if scale < MIN_LOSS_SCALE:
+                        p.stopped = (f"stopped after the fp16 loss scale fell below {MIN_LOSS_SCALE:g} (gradients "
+                                     "overflow even unscaled): resume with precision bf16, or lower lr")
+                        log.error("%s", p.stopped)
+                elif skipped:
                     p.bad_updates += 1
                     self.record("skip", {"loss": stats["loss"], "gnorm": stats["gnorm"], "bad_updates": p.bad_updates})
                     log.warning("non-finite loss %s (gradient norm %s) after update %d: update skipped (%d in a row)",
@@ -585,6 +598,7 @@ def trim_log(path: Path, update: int) -> None:
 # Settings a resumed run may change: they do not alter the trajectory of the parameters (the data order, the
 # model, the optimiser and its schedule), only how long it runs, what it records and where. Keys are dotted
 # config paths; a key ending in "." stands for its whole section.
+MIN_LOSS_SCALE = 1e-4  # fp16: below this loss scale gradients overflow even unscaled, so training stops
 RESUMABLE_CHANGES = (
     "train.save_dir", "train.device", "train.threads", "train.precision", "train.fused_optimizer",
     "train.max_updates", "train.max_epochs", "train.max_minutes", "train.patience", "train.max_bad_updates",

@@ -147,6 +147,45 @@ def test_a_nan_batch_is_skipped_and_too_many_stop_training(copy_data: Path, tmp_
     assert "3 consecutive non-finite losses" in trainer.progress.stopped
 
 
+def test_an_fp16_overflow_lowers_the_scale_and_does_not_count_as_an_update(copy_data: Path, tmp_path: Path) -> None:
+    """Gradients that overflow at the fp16 loss scale (the loss finite): the scale is halved and the batch
+    dropped; the update count and the learning-rate schedule do not advance, the parameters do not change.
+    A loss scale that falls below MIN_LOSS_SCALE stops training. (A GradScaler on the CPU stands in for CUDA's.)"""
+    threads = torch.get_num_threads()
+    try:
+        trainer = Trainer(small_config(copy_data, tmp_path / "fp16", max_updates=4))
+    finally:
+        torch.set_num_threads(threads)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    weight = next(trainer.model.parameters())
+    overflows = {"left": 2}
+
+    def overflow_once(grad: torch.Tensor) -> torch.Tensor:
+        if overflows["left"] > 0:
+            overflows["left"] -= 1
+            return grad * float("inf")
+        return grad
+
+    weight.register_hook(overflow_once)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    batch = next(trainer.batches())[2]
+    stats = trainer.train_step([batch])
+    assert stats["skipped"] == 1.0 and stats["overflow"] == 1.0 and trainer.scaler.get_scale() == 512.0
+    assert trainer.scheduler.last_epoch == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    result = trainer.train()  # the second overflow comes in the loop
+    assert result.progress.update == 4 and trainer.scheduler.last_epoch == 4 and trainer.scaler.get_scale() == 256.0
+    kinds = [e["kind"] for e in read_log(tmp_path / "fp16")]
+    assert kinds.count("overflow") == 1 and "skip" not in kinds and len(losses(tmp_path / "fp16")) == 4
+
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=1e-4)  # one more overflow takes it below the minimum
+    overflows["left"] = 1
+    trainer.config.train.max_updates = 10
+    trainer.progress.stopped = ""
+    result = trainer.train()
+    assert result.progress.update == 4 and "stopped after the fp16 loss scale fell below 0.0001" in result.progress.stopped
+
+
 # ---- property-based: bad input is a ValueError naming the file, never a crash ----------------------------
 
 
