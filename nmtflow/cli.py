@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger("nmtflow")
 
@@ -135,20 +136,39 @@ def _stdin_lines():
                               line=n) from None
 
 
+@contextlib.contextmanager
+def _progress_bar(translator: Any, total: int | None, *, to_stdout: bool) -> Iterator[None]:
+    """A bar on stderr while ``total`` sentences are translated: only where stderr is a terminal and the
+    translations are not written (``to_stdout``) to that terminal as they come."""
+    from tqdm import tqdm
+
+    show = total is not None and sys.stderr.isatty() and not (to_stdout and sys.stdout.isatty())
+    with tqdm(total=total, desc="translate", unit=" sent", disable=not show, leave=False, dynamic_ncols=True) as bar:
+        translator.progress = bar.update if show else None
+        try:
+            yield
+        finally:
+            translator.progress = None
+
+
 @command
 def cmd_translate(args: argparse.Namespace) -> int | None:
     from nmtflow.decode.translate import output_file
 
     translator = _translator(args)
     interactive = args.input is None and sys.stdin.isatty()
+    total = None
     if args.input is not None:  # read (and check) the whole input before any output is written
-        results = translator.translate_stream(_read_lines(args.input), chunk=1000, name=args.input)
+        lines = _read_lines(args.input)
+        total = len(lines)
+        results = translator.translate_stream(lines, chunk=1000, name=args.input)
     else:
         if interactive:
             print("nmtflow: type a sentence and press Enter (Ctrl-D to quit)", file=sys.stderr)
         results = translator.translate_stream(_stdin_lines(), chunk=1 if interactive or args.unbuffered else 1000)
     written, interrupted = 0, False
-    with output_file(args.output) as out:  # stdout without -o
+    bar = _progress_bar(translator, total, to_stdout=args.output is None)
+    with output_file(args.output) as out, bar:  # stdout without -o
         try:
             for n, nbest in enumerate(results):
                 if translator.decode.nbest > 1:
@@ -184,7 +204,9 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     elif args.checkpoint and args.src:
         from nmtflow.decode.translate import output_file
 
-        hyps = [nb[0][0] for nb in _translator(args).translate(_read_lines(args.src), name=args.src)]
+        translator, sources = _translator(args), _read_lines(args.src)
+        with _progress_bar(translator, len(sources), to_stdout=False):
+            hyps = [nb[0][0] for nb in translator.translate(sources, name=args.src)]
         if args.output:
             with output_file(args.output) as out:
                 out.write("".join(h + "\n" for h in hyps))

@@ -8,7 +8,7 @@ import os
 import stat
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TextIO
 
@@ -120,6 +120,7 @@ class Translator:
     decode: DecodeConfig
     config: Config | None = None
     src_prefix: int | None = None
+    progress: Callable[[int], Any] | None = field(default=None, repr=False)  # told how many sentences are done
 
     @property
     def device(self) -> torch.device:
@@ -183,11 +184,15 @@ class Translator:
         results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in sources]
         nonempty = [i for i, s in enumerate(sources) if s]
         lengths = [len(sources[i]) for i in nonempty]
+        if self.progress and len(nonempty) < len(sources):
+            self.progress(len(sources) - len(nonempty))
         for batch in batches_by_length(lengths, self.decode.max_tokens):
             rows = [nonempty[b] for b in batch]
             src = collate([sources[r] for r in rows], [[]] * len(rows), src_prefix=self.src_prefix).src
             for r, hyps in zip(rows, self.search(src.to(self.device))):
                 results[r] = hyps
+            if self.progress:
+                self.progress(len(rows))
         return results
 
     def translate(self, lines: list[str], *, first_line: int = 1,

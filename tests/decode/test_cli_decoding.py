@@ -151,6 +151,32 @@ def test_ctrl_c_on_stdin_keeps_the_translations_so_far(ckpt: str, tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "session.hyp"]
 
 
+def test_the_progress_hook_counts_every_sentence(ckpt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Translator.progress hears of each batch (empty lines at once); the CLI's bar shows on a terminal only."""
+    translator = Translator.from_checkpoint(ckpt)
+    translator.decode.max_tokens, translator.decode.max_len_b = 20, 1
+    done: list[int] = []
+    translator.progress = done.append
+    translator.translate(["alpha bravo", "", "charlie", "alpha " * 5, ""])
+    assert sum(done) == 5 and done[0] == 2 and len(done) > 2  # the two empty lines, then batch by batch
+    src = tmp_path / "in.txt"
+    src.write_text("alpha\nbravo charlie\n", encoding="utf-8")
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert main(["translate", ckpt, "-i", str(src), "-o", str(tmp_path / "out.txt"), "--max-len-b", "1",
+                 "--device", "cpu"]) == 0
+    assert "translate: 100%" in sys.stderr.getvalue() and "2/2" in sys.stderr.getvalue()
+    monkeypatch.setattr(sys, "stdout", Terminal())  # translations to the terminal: no bar between them
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert main(["translate", ckpt, "-i", str(src), "--max-len-b", "1", "--device", "cpu"]) == 0
+    assert "translate:" not in sys.stderr.getvalue() and len(sys.stdout.getvalue().splitlines()) == 2
+
+
 # ---- bug 4: inputs longer than the model's positions ---------------------------------------------------------
 def test_translate_truncates_inputs_to_the_model_positions(ckpt: str, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str],
