@@ -89,7 +89,7 @@ def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_p
     """src (B,S) → for each sentence its ``nbest`` hypotheses, best first.
 
     A sentence finishes once ``beam_size`` hypotheses have ended in EOS (the search then stops for it);
-    at its length limit every live hypothesis is forced to end.
+    at its length limit every live hypothesis is forced to end (even before ``min_len``: the limit wins).
     """
     if beam_size < 1 or not 1 <= nbest <= beam_size:
         raise ValueError(f"need 1 <= nbest ({nbest}) <= beam_size ({beam_size})")
@@ -108,15 +108,19 @@ def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_p
         vocab = lprobs.size(-1)
         lprobs[:, PAD] = float("-inf")
         lprobs[:, BOS] = float("-inf")
-        if step < min_len:
-            lprobs[:, EOS] = float("-inf")
         at_limit = (max_lens <= step).repeat_interleave(width)  # (n·width,)
+        if step < min_len:  # the length limit wins: a hypothesis at its limit still ends with its real EOS
+            lprobs[~at_limit, EOS] = float("-inf")
         if at_limit.any():
             eos_only = torch.full_like(lprobs[0], float("-inf"))
             eos_only[EOS] = 0.0
             lprobs[at_limit] = eos_only + lprobs[at_limit][:, EOS:EOS + 1]
         cand = lprobs.add_(scores.view(-1, 1)).view(n, width * vocab)  # (n, width·V)
         top_scores, top_idx = top_candidates(cand, min(2 * k, width * vocab))  # (n, 2K)
+        if top_scores.size(1) < 2 * k:  # a beam wider than the vocabulary: pad with dead (-inf) candidates
+            pad = 2 * k - top_scores.size(1)
+            top_scores = F.pad(top_scores, (0, pad), value=float("-inf"))
+            top_idx = F.pad(top_idx, (0, pad), value=PAD)
         top_beam, top_tok = top_idx // vocab, top_idx % vocab
         is_eos = top_tok.eq(EOS) & top_scores.ne(float("-inf"))
         ended = is_eos[:, :k].nonzero().tolist()  # EOS within the K best candidates
@@ -165,10 +169,11 @@ def greedy_search(model: EncoderDecoder, src: Tensor, *, max_len_a: float = 1.5,
         lprobs = F.log_softmax(model.decode(last, enc, state)[:, -1].float(), dim=-1)
         lprobs[:, PAD] = float("-inf")
         lprobs[:, BOS] = float("-inf")
-        if step < min_len:
-            lprobs[:, EOS] = float("-inf")
+        at_limit = max_lens[alive] <= step
+        if step < min_len:  # the length limit wins over min_len, as in beam_search
+            lprobs[~at_limit, EOS] = float("-inf")
         best_lp, best = lprobs.max(-1)
-        best = torch.where(max_lens[alive] <= step, torch.full_like(best, EOS), best)
+        best = torch.where(at_limit, torch.full_like(best, EOS), best)
         best_lp = torch.where(best.eq(EOS), lprobs[:, EOS], best_lp)
         for i, (tok, lp) in enumerate(zip(best.tolist(), best_lp.tolist())):
             sid = int(alive[i])

@@ -87,6 +87,14 @@ class ConvS2SConfig(ModelConfig):
         for field_name in ("embed_dim", "hidden", "growth", "kernel_size", "encoder_layers", "decoder_layers"):
             if getattr(self, field_name) < 1:
                 raise ConfigError(f"{where}.{field_name}: must be positive")
+        if not 0.0 <= self.dropout < 1.0:  # (1 − dropout) scales the initial weights: 1 would zero them
+            raise ConfigError(f"{where}.dropout: must be in [0, 1), got {self.dropout}")
+        if self.max_positions < 1:
+            raise ConfigError(f"{where}.max_positions: must be positive, got {self.max_positions}")
+        for i, (count, width, kernel) in enumerate(self.layer_groups or []):
+            if min(count, width, kernel) < 1:
+                raise ConfigError(f"{where}.layer_groups[{i}]: count, width and kernel must be positive, "
+                                  f"got {[count, width, kernel]}")
         if self.embed_small is not None and self.embed_small < 1:
             raise ConfigError(f"{where}.embed_small: must be positive (or null)")
         if any(k % 2 == 0 for _, k in self.specs(self.encoder_layers, self.dense_encoder)):

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
-from nmtflow.models.transformer import Embedder, TransformerConfig, TransformerDecoder
+from nmtflow.models.transformer import (Embedder, TransformerConfig, TransformerDecoder,
+                                        check_transformer_sizes)
 from nmtflow.nn.attention import AttentionConfig
 from nmtflow.nn.layers import SinusoidalPositions, token_embedding
 from nmtflow.registry import register_model
@@ -45,6 +46,13 @@ class LanguageModelConfig(ModelConfig):
     self_attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     PRESETS: ClassVar[dict[str, dict]] = TransformerConfig.PRESETS
+
+    def validate(self, where: str) -> None:
+        check_transformer_sizes(
+            where, d_model=self.d_model, heads=self.heads, ffn_dim=self.ffn_dim, layers={"layers": self.layers},
+            activation=self.activation, max_positions=self.max_positions,
+            dropouts={"dropout": self.dropout, "attention_dropout": self.attention_dropout,
+                      "activation_dropout": self.activation_dropout})
 
     def decoder_config(self) -> TransformerConfig:
         """The equivalent Transformer config, whose decoder half this model builds."""

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from nmtflow.config import ConfigError
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies, build_model
 from nmtflow.models.rnn import BiLSTMEncoder, LuongDecoder, RNNConfig, output_projection
-from nmtflow.models.transformer import Embedder, TransformerConfig, TransformerDecoder, TransformerEncoder
+from nmtflow.models.transformer import (Embedder, TransformerConfig, TransformerDecoder, TransformerEncoder,
+                                        check_transformer_sizes)
 from nmtflow.nn.bridge import AttentionBridge, bridge_penalty
 from nmtflow.nn.layers import SinusoidalPositions, token_embedding
 from nmtflow.registry import register_model
@@ -131,10 +132,22 @@ class BridgeConfig(ModelConfig):
         for side in ("encoder", "decoder"):
             if getattr(self, side) not in ("rnn", "transformer"):
                 raise ConfigError(f"{where}.{side}: expected rnn or transformer, got {getattr(self, side)!r}")
+        if self.hidden_dim < 1:
+            raise ConfigError(f"{where}.hidden_dim: must be positive, got {self.hidden_dim}")
         if self.encoder == "rnn" and self.hidden_dim % 2:
             raise ConfigError(f"{where}.hidden_dim: a BiLSTM encoder needs an even size, got {self.hidden_dim}")
-        if "transformer" in (self.encoder, self.decoder) and self.hidden_dim % self.heads:
-            raise ConfigError(f"{where}.heads: {self.heads} does not divide hidden_dim={self.hidden_dim}")
+        for side in ("encoder", "decoder"):
+            if getattr(self, side) == "rnn" and getattr(self, f"{side}_layers") < 1:
+                raise ConfigError(f"{where}.{side}_layers: an LSTM {side} needs at least one layer")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"{where}.dropout: must be in [0, 1), got {self.dropout}")
+        if "transformer" in (self.encoder, self.decoder):
+            if self.heads >= 1 and self.hidden_dim % self.heads:
+                raise ConfigError(f"{where}.heads: {self.heads} does not divide hidden_dim={self.hidden_dim}")
+            check_transformer_sizes(where, d_model=self.hidden_dim, heads=self.heads, ffn_dim=self.ffn_dim,
+                                    layers={"encoder_layers": self.encoder_layers,
+                                            "decoder_layers": self.decoder_layers},
+                                    max_positions=self.max_positions)
         if self.bridge_heads < 1 or self.bridge_dim < 1:
             raise ConfigError(f"{where}: bridge_heads and bridge_dim must be >= 1")
         if self.penalty < 0:

@@ -50,6 +50,10 @@ class RNNConfig(ModelConfig):
     PRESETS: ClassVar[dict[str, dict]] = {"base": dict(hidden_dim=512, encoder_layers=2, decoder_layers=2)}
 
     def validate(self, where: str) -> None:
+        if self.hidden_dim < 2:
+            raise ConfigError(f"{where}.hidden_dim: must be at least 2, got {self.hidden_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"{where}.dropout: must be in [0, 1), got {self.dropout}")
         if self.hidden_dim % 2:
             raise ConfigError(f"{where}.hidden_dim: must be even (d_h/2 units per BiLSTM direction), "
                               f"got {self.hidden_dim}")

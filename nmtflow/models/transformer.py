@@ -13,11 +13,35 @@ from typing import ClassVar
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmtflow.config import ConfigError
 from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
 from nmtflow.nn.attention import AttentionConfig, AttentionContext, build_attention, link_stack
 from nmtflow.nn.layers import FeedForward, SinusoidalPositions, token_embedding
 from nmtflow.registry import register_model
+
+ACTIVATIONS = ("relu", "gelu")
+
+
+def check_transformer_sizes(where: str, *, d_model: int, heads: int, ffn_dim: int, layers: dict[str, int],
+                            activation: str = "relu", dropouts: dict[str, float] | None = None,
+                            max_positions: int = 1) -> None:
+    """ConfigError for sizes a Transformer stack cannot be built or run with (checked when the config is read,
+    so that a bad value is reported by name instead of failing deep inside a layer)."""
+    for name, value in (("d_model", d_model), ("heads", heads), ("ffn_dim", ffn_dim),
+                        ("max_positions", max_positions)):
+        if value < 1:
+            raise ConfigError(f"{where}.{name}: must be positive, got {value}")
+    if d_model % heads:
+        raise ConfigError(f"{where}.heads: {heads} does not divide d_model={d_model}")
+    for name, value in layers.items():
+        if value < 0:
+            raise ConfigError(f"{where}.{name}: must be >= 0, got {value}")
+    if activation not in ACTIVATIONS:
+        raise ConfigError(f"{where}.activation: expected one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    for name, value in (dropouts or {}).items():
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{where}.{name}: must be in [0, 1), got {value}")
 
 
 @dataclass
@@ -44,6 +68,14 @@ class TransformerConfig(ModelConfig):
         "base": dict(d_model=512, ffn_dim=2048, heads=8),
         "big": dict(d_model=1024, ffn_dim=4096, heads=16),
     }
+
+    def validate(self, where: str) -> None:
+        check_transformer_sizes(
+            where, d_model=self.d_model, heads=self.heads, ffn_dim=self.ffn_dim,
+            layers={"encoder_layers": self.encoder_layers, "decoder_layers": self.decoder_layers},
+            activation=self.activation, max_positions=self.max_positions,
+            dropouts={"dropout": self.dropout, "attention_dropout": self.attention_dropout,
+                      "activation_dropout": self.activation_dropout})
 
 
 class Residual(nn.Module):
