@@ -26,6 +26,7 @@ from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, 
 from nmtflow.models.rnn import BiLSTMEncoder, LuongDecoder, RNNConfig, output_projection
 from nmtflow.models.transformer import (Embedder, TransformerConfig, TransformerDecoder, TransformerEncoder,
                                         check_transformer_sizes)
+from nmtflow.nn.attention import AttentionConfig
 from nmtflow.nn.bridge import AttentionBridge, bridge_penalty
 from nmtflow.nn.layers import SinusoidalPositions, token_embedding
 from nmtflow.registry import register_model
@@ -127,11 +128,19 @@ class BridgeConfig(ModelConfig):
     # sentence (SPEC §5): λ · mean over sentences, against the per-token mean cross-entropy; token: λ · sum over
     # sentences / source tokens, i.e. about one sentence length weaker, as against a per-sentence summed loss
     penalty_scale: str = "sentence"
+    # the self-attention of Transformer stacks, e.g. lexical shortcuts or phrasal attention under the bridge
+    # (SPEC §6); a Transformer decoder's cross-attention reads the k rows of M, so it stays standard
+    encoder_self_attention: AttentionConfig = field(default_factory=AttentionConfig)
+    decoder_self_attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     def validate(self, where: str) -> None:
         for side in ("encoder", "decoder"):
             if getattr(self, side) not in ("rnn", "transformer"):
                 raise ConfigError(f"{where}.{side}: expected rnn or transformer, got {getattr(self, side)!r}")
+            slot = getattr(self, f"{side}_self_attention")
+            if getattr(self, side) == "rnn" and slot.type != AttentionConfig.type:
+                raise ConfigError(f"{where}.{side}_self_attention: {slot.type!r} needs a Transformer {side} "
+                                  f"({side}: transformer); an LSTM {side} has no self-attention")
         if self.hidden_dim < 1:
             raise ConfigError(f"{where}.hidden_dim: must be positive, got {self.hidden_dim}")
         if self.encoder == "rnn" and self.hidden_dim % 2:
@@ -156,10 +165,12 @@ class BridgeConfig(ModelConfig):
             raise ConfigError(f"{where}.penalty_scale: expected sentence or token, got {self.penalty_scale!r}")
 
     def transformer_config(self) -> TransformerConfig:
-        """The Transformer sizes used by transformer encoders/decoders."""
+        """The Transformer sizes (and self-attention variants) used by transformer encoders/decoders."""
         return TransformerConfig(d_model=self.hidden_dim, ffn_dim=self.ffn_dim, heads=self.heads,
                                  encoder_layers=self.encoder_layers, decoder_layers=self.decoder_layers,
-                                 dropout=self.dropout, max_positions=self.max_positions)
+                                 dropout=self.dropout, max_positions=self.max_positions,
+                                 encoder_self_attention=self.encoder_self_attention,
+                                 decoder_self_attention=self.decoder_self_attention)
 
 
 @register_model("bridge", BridgeConfig)

@@ -47,8 +47,15 @@ def batch(tgt_vocab: int = V - 5) -> tuple[torch.Tensor, torch.Tensor]:
     TINY_BRIDGE,
     {**TINY_BRIDGE, "encoder": "transformer", "decoder": "transformer", "heads": 4, "ffn_dim": 64},
     {**TINY_BRIDGE, "decoder": "transformer", "heads": 4, "ffn_dim": 64},
+    {**TINY_BRIDGE, "encoder": "transformer", "decoder": "transformer", "heads": 4, "ffn_dim": 64, "decoder_layers": 2,
+     "encoder_self_attention": {"type": "shortcut", "feature_fusion": True},
+     "decoder_self_attention": {"type": "shortcut"}},
+    {**TINY_BRIDGE, "encoder": "transformer", "decoder": "transformer", "heads": 4, "ffn_dim": 64, "decoder_layers": 2,
+     "encoder_self_attention": {"type": "phrasal", "ngrams": [1, 2]},
+     "decoder_self_attention": {"type": "phrasal", "ngrams": [1, 2, 3]}},
     {"name": "language_label", "backbone": {"name": "rnn", **TINY, "decoder_layers": 2}},
-], ids=["bridge-rnn-feed", "bridge-rnn", "bridge-transformer", "bridge-rnn-transformer", "language-label-rnn"])
+], ids=["bridge-rnn-feed", "bridge-rnn", "bridge-transformer", "bridge-rnn-transformer", "bridge-shortcuts",
+        "bridge-phrasal", "language-label-rnn"])
 def test_incremental_decoding_equals_full_forward(model: dict[str, Any]) -> None:
     net = make(model).pair("de", "de")
     src, tgt = batch()
@@ -57,6 +64,25 @@ def test_incremental_decoding_equals_full_forward(model: dict[str, Any]) -> None
     steps = [net.decode(tgt[:, t:t + 1], enc, state) for t in range(tgt.size(1))]
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     assert all(v.size(0) == src.size(0) for v in state.values())  # batch-first state
+
+
+def test_bridge_on_transformer_stacks_takes_their_attention_variants() -> None:
+    """Lexical shortcuts and phrasal attention in the bridge's Transformer stacks (SPEC §6) add exactly their
+    SPEC §2/§3 parameters per self-attention module: 2 languages × (1 encoder + 1 decoder) layers here."""
+    plain = {**TINY_BRIDGE, "encoder": "transformer", "decoder": "transformer", "heads": 4, "ffn_dim": 64}
+    d, modules = TINY["hidden_dim"], 4
+
+    def count(**slots: Any) -> int:
+        return sum(p.numel() for p in make({**plain, **slots}).parameters())
+
+    base = count()
+    both = {"encoder_self_attention": {"type": "shortcut"}, "decoder_self_attention": {"type": "shortcut"}}
+    assert count(**both) - base == modules * (2 * d * d + 2 * d)
+    fused = {"type": "shortcut", "feature_fusion": True}
+    assert count(encoder_self_attention=fused) - base == modules // 2 * (6 * d * d + 2 * d)
+    assert count(decoder_self_attention={"type": "phrasal", "ngrams": [1, 2]}) - base == modules // 2 * 2 * 2 * d * d
+    with pytest.raises(ConfigError, match=r"model.encoder_self_attention: 'shortcut' needs a Transformer encoder"):
+        load_config(data={"model": {**TINY_BRIDGE, "encoder_self_attention": {"type": "shortcut"}}})
 
 
 def test_bridge_output_penalty_and_direction_checks() -> None:
@@ -288,6 +314,26 @@ def test_language_label_preset_trains_and_translates_zero_shot(multiway: Path, t
     capsys.readouterr()
     assert main(["translate", str(tmp_path / "ll" / "checkpoint_last.pt"), "-i", str(src), "--src-lang", "de",
                  "--tgt-lang", "fr", "--beam", "2", "--max-len-b", "5"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+
+
+def test_a_bridge_with_shortcut_transformer_encoders_trains_and_translates(multiway: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    sets = ["model.hidden_dim=32", "model.encoder=transformer", "model.decoder=transformer", "model.heads=4",
+            "model.ffn_dim=64", "model.encoder_layers=2", "model.decoder_layers=1",
+            "model.encoder_self_attention={type: shortcut, feature_fusion: true}", "data.max_tokens=600",
+            "data.max_sentences=null", "train.max_updates=3", "train.progress=false", "train.valid_bleu=false",
+            "train.warmup_updates=2"]
+    code = main(["train", str(REPO / "configs" / "bridge-k10.yaml"), "--data", str(multiway),
+                 "--save-dir", str(tmp_path / "b"), *[a for s in sets for a in ("--set", s)]])
+    assert code == 0
+    ckpt = load_checkpoint(tmp_path / "b" / "checkpoint_last.pt")
+    assert any(k.endswith("self_attn.kv_fusion.weight") for k in ckpt["model"])
+    src = tmp_path / "in.en"
+    src.write_text("the dog sleeps .\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["translate", str(tmp_path / "b" / "checkpoint_last.pt"), "-i", str(src), "--src-lang", "en",
+                 "--tgt-lang", "de", "--beam", "2", "--max-len-b", "5"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 1
 
 
