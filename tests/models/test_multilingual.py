@@ -298,43 +298,41 @@ def test_downstream_classification_and_similarity(extended: dict[str, Any], tmp_
     assert result["examples"] == 3 and -1.0 <= result["pearson"] <= 1.0 and -1.0 <= result["spearman"] <= 1.0
 
 
+QUICK = ["data.max_tokens=600", "data.max_sentences=null", "train.max_updates=3", "train.progress=false",
+         "train.valid_bleu=false", "train.warmup_updates=2"]
+
+
+def train_and_translate(preset: str, sets: list[str], data: Path, save: Path, direction: tuple[str, str],
+                        line: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """Train ``preset`` for 3 updates with ``sets``, translate ``line`` in ``direction``; the checkpoint."""
+    code = main(["train", str(REPO / "configs" / f"{preset}.yaml"), "--data", str(data), "--save-dir", str(save),
+                 *[a for s in sets + QUICK for a in ("--set", s)]])
+    assert code == 0
+    src = save / "in.txt"
+    src.write_text(line + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["translate", str(save / "checkpoint_last.pt"), "-i", str(src), "--src-lang", direction[0],
+                 "--tgt-lang", direction[1], "--beam", "2", "--max-len-b", "5"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    return load_checkpoint(save / "checkpoint_last.pt")
+
+
 def test_language_label_preset_trains_and_translates_zero_shot(multiway: Path, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     sets = ["model.backbone.hidden_dim=32", "model.backbone.encoder_layers=1", "model.backbone.decoder_layers=1",
-            "model.backbone.input_feeding=false", "data.max_tokens=600", "data.max_sentences=null",
-            "data.multilingual.zero_shot=[de-fr]", "train.max_updates=3", "train.progress=false",
-            "train.valid_bleu=false", "train.warmup_updates=2"]
-    code = main(["train", str(REPO / "configs" / "language-label.yaml"), "--data", str(multiway),
-                 "--save-dir", str(tmp_path / "ll"), *[a for s in sets for a in ("--set", s)]])
-    assert code == 0
-    ckpt = load_checkpoint(tmp_path / "ll" / "checkpoint_last.pt")
+            "model.backbone.input_feeding=false", "data.multilingual.zero_shot=[de-fr]"]
+    ckpt = train_and_translate("language-label", sets, multiway, tmp_path / "ll", ("de", "fr"),
+                               "der Hund schläft .", capsys)
     assert ckpt["multilingual"] and ckpt["langs"]["zero_shot"] == ["de-fr"]
-    src = tmp_path / "in.de"
-    src.write_text("der Hund schläft .\n", encoding="utf-8")
-    capsys.readouterr()
-    assert main(["translate", str(tmp_path / "ll" / "checkpoint_last.pt"), "-i", str(src), "--src-lang", "de",
-                 "--tgt-lang", "fr", "--beam", "2", "--max-len-b", "5"]) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 1
 
 
 def test_a_bridge_with_shortcut_transformer_encoders_trains_and_translates(multiway: Path, tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     sets = ["model.hidden_dim=32", "model.encoder=transformer", "model.decoder=transformer", "model.heads=4",
             "model.ffn_dim=64", "model.encoder_layers=2", "model.decoder_layers=1",
-            "model.encoder_self_attention={type: shortcut, feature_fusion: true}", "data.max_tokens=600",
-            "data.max_sentences=null", "train.max_updates=3", "train.progress=false", "train.valid_bleu=false",
-            "train.warmup_updates=2"]
-    code = main(["train", str(REPO / "configs" / "bridge-k10.yaml"), "--data", str(multiway),
-                 "--save-dir", str(tmp_path / "b"), *[a for s in sets for a in ("--set", s)]])
-    assert code == 0
-    ckpt = load_checkpoint(tmp_path / "b" / "checkpoint_last.pt")
+            "model.encoder_self_attention={type: shortcut, feature_fusion: true}"]
+    ckpt = train_and_translate("bridge-k10", sets, multiway, tmp_path / "b", ("en", "de"), "the dog sleeps .", capsys)
     assert any(k.endswith("self_attn.kv_fusion.weight") for k in ckpt["model"])
-    src = tmp_path / "in.en"
-    src.write_text("the dog sleeps .\n", encoding="utf-8")
-    capsys.readouterr()
-    assert main(["translate", str(tmp_path / "b" / "checkpoint_last.pt"), "-i", str(src), "--src-lang", "en",
-                 "--tgt-lang", "de", "--beam", "2", "--max-len-b", "5"]) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 1
 
 
 @pytest.mark.parametrize("preset", ["bridge-k1", "bridge-k10", "bridge-k25", "bridge-k50", "language-label"])
