@@ -30,19 +30,22 @@ from nmtflow.data.prepare import load_meta, prepare
 from nmtflow.data.synthetic import generate_corpus
 from nmtflow.models.base import count_parameters
 from nmtflow.train.multilingual import MultilingualTrainer
+from throughput import device_option, prepare_once  # the sibling benchmark's helpers
 
 
 def prepared(args: argparse.Namespace) -> Path:
     """The prepared multi-way directory (joint vocabulary with <2xx> tags, as the language-label model needs)."""
     work = args.work or Path(f"runs/bench-bridge-{'-'.join(args.langs)}")
-    if (work / "meta.json").is_file():
-        return work
-    raw = args.data
-    if raw is None:  # the built-in synthetic corpus
-        raw = work.parent / f"{work.name}-raw"
-        generate_corpus(raw, langs=args.langs, n_train=args.n_train, n_valid=10, n_test=10, seed=args.seed)
-    prepare({"train": str(raw / "train")}, args.langs, work, vocab_size=args.vocab_size, joint=True,
-            lang_tags=True, progress=False)
+
+    def make() -> None:
+        raw = args.data
+        if raw is None:  # the built-in synthetic corpus
+            raw = work.parent / f"{work.name}-raw"
+            generate_corpus(raw, langs=args.langs, n_train=args.n_train, n_valid=10, n_test=10, seed=args.seed)
+        prepare({"train": str(raw / "train")}, args.langs, work, vocab_size=args.vocab_size, joint=True,
+                lang_tags=True, progress=False)
+
+    prepare_once(work, args.langs, make)
     return work
 
 
@@ -76,9 +79,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=24, help="timed training batches per system")
     p.add_argument("--rounds", type=int, default=4, help="alternating A/B blocks the timed steps are split into")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_option)
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1:
+        p.error("--steps and --rounds must be >= 1")
     torch.set_num_threads(args.threads)
 
     data = prepared(args)

@@ -20,6 +20,7 @@ import argparse
 import ctypes
 import json
 import platform
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -92,6 +93,8 @@ void gate_backward(const float *gk, const float *gv, const float *sc, const floa
 
 def build(directory: Path) -> ctypes.CDLL:
     """gcc → a shared library; -fopenmp links libgomp.so.1, which resolves to the one PyTorch has loaded."""
+    if shutil.which("gcc") is None:
+        raise SystemExit("c_gate.py compiles its gate with gcc, which is not on the PATH")
     source, library = directory / "gate.c", directory / "gate.so"
     source.write_text(SOURCE)
     libs = ["-lmvec", "-lm"] if platform.machine() == "x86_64" else ["-lm"]

@@ -44,18 +44,22 @@ def free_port() -> int:
 def prepared(args: argparse.Namespace) -> Path:
     """The prepared directory (cached in ``--work``); the synthetic corpus unless ``--data`` is given."""
     from nmtflow.data.prepare import prepare
+    from throughput import prepare_once  # the sibling benchmark's cache check
 
     work = args.work or Path(f"runs/bench-ddp-{args.src}-{args.tgt}")
-    if (work / "meta.json").is_file():
-        return work
-    raw = args.data
-    if raw is None:
-        from nmtflow.data.synthetic import generate_corpus
 
-        raw = work.parent / f"{work.name}-raw"
-        generate_corpus(raw, langs=(args.src, args.tgt), n_train=args.n_train, n_valid=10, n_test=1, seed=args.seed)
-    prepare({"train": str(raw / "train")}, [args.src, args.tgt], work, vocab_size=args.vocab_size, joint=True,
-            progress=False)
+    def make() -> None:
+        raw = args.data
+        if raw is None:
+            from nmtflow.data.synthetic import generate_corpus
+
+            raw = work.parent / f"{work.name}-raw"
+            generate_corpus(raw, langs=(args.src, args.tgt), n_train=args.n_train, n_valid=10, n_test=1,
+                            seed=args.seed)
+        prepare({"train": str(raw / "train")}, [args.src, args.tgt], work, vocab_size=args.vocab_size, joint=True,
+                progress=False)
+
+    prepare_once(work, [args.src, args.tgt], make)
     return work
 
 

@@ -21,7 +21,7 @@ import torch
 from nmtflow.config import load_config
 from nmtflow.models.base import Vocabularies, build_model, count_parameters
 from nmtflow.train.optim import build_optimizer
-from throughput import interleaved_median_ms
+from throughput import device_option, interleaved_median_ms
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--preset", default="small", choices=["small", "base", "big"])
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", type=device_option)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=40)

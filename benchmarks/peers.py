@@ -35,7 +35,7 @@ from nmtflow.data.bitext import open_bitext
 from nmtflow.data.prepare import load_meta, load_tokenizer, prepare
 from nmtflow.decode.search import max_output_lengths
 from nmtflow.decode.translate import batches_by_length
-from throughput import default_work  # the sibling benchmark's data cache
+from throughput import default_work, prepare_once  # the sibling benchmark's data cache
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -142,21 +142,23 @@ def prepared(args: argparse.Namespace) -> Path:
         work = default_work(args)  # shared with throughput.py
     else:
         work = Path(f"runs/bench-peers-{'quick' if args.quick else 'synthetic'}-{args.src}-{args.tgt}")
-    if (work / "meta.json").is_file():
-        return work
-    if args.data:
-        raw = args.data
-        valid = raw / "val" if (raw / f"val.{args.src}").is_file() else raw / "valid"
-    else:
-        from nmtflow.data.synthetic import generate_corpus
-        raw = work.parent / f"{work.name}-raw"
-        log(f"writing the built-in synthetic corpus ({args.n_train} training sentences) to {raw}")
-        generate_corpus(raw, langs=[args.src, args.tgt], n_train=args.n_train,
-                        n_valid=max(args.decode_sentences, 500), n_test=10, seed=args.seed)
-        valid = raw / "valid"
-    log(f"preparing {raw} into {work} (joint vocabulary of {args.vocab_size})")
-    prepare({"train": raw / "train", "valid": valid}, [args.src, args.tgt], work, vocab_size=args.vocab_size,
-            joint=True, progress=False)
+
+    def make() -> None:
+        if args.data:
+            raw = args.data
+            valid = raw / "val" if (raw / f"val.{args.src}").is_file() else raw / "valid"
+        else:
+            from nmtflow.data.synthetic import generate_corpus
+            raw = work.parent / f"{work.name}-raw"
+            log(f"writing the built-in synthetic corpus ({args.n_train} training sentences) to {raw}")
+            generate_corpus(raw, langs=[args.src, args.tgt], n_train=args.n_train,
+                            n_valid=max(args.decode_sentences, 500), n_test=10, seed=args.seed)
+            valid = raw / "valid"
+        log(f"preparing {raw} into {work} (joint vocabulary of {args.vocab_size})")
+        prepare({"train": raw / "train", "valid": valid}, [args.src, args.tgt], work, vocab_size=args.vocab_size,
+                joint=True, progress=False)
+
+    prepare_once(work, [args.src, args.tgt], make)
     return work
 
 

@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.steps < 1 or args.decode_sentences < 1:
         p.error("--steps and --decode-sentences must be >= 1")
+    if not all(s.isdigit() and "0" not in s and list(s) == sorted(set(s)) for s in args.ngrams):
+        p.error(f"--ngrams takes increasing digits 1-9 (12 = {{1,2}}), got {' '.join(args.ngrams)}")
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rss: dict[str, float] = {}

@@ -140,9 +140,16 @@ def base_corpus(args: argparse.Namespace, work: Path) -> tuple[Path, Path | None
 
         raw = work / "base"
         if not all((raw / f"train.{lang}").is_file() for lang in (args.src, args.tgt)):
-            generate_corpus(raw, langs=(args.src, args.tgt), n_train=args.n_train, n_valid=200, n_test=1,
-                            seed=args.seed)
+            try:
+                generate_corpus(raw, langs=(args.src, args.tgt), n_train=args.n_train, n_valid=200, n_test=1,
+                                seed=args.seed)
+            except ValueError as e:  # a language the synthetic corpus does not have
+                raise SystemExit(str(e)) from None
         return raw / "train", raw / "valid"
+    missing = [str(args.data / f"train.{lang}") for lang in (args.src, args.tgt)
+               if not (args.data / f"train.{lang}").is_file()]
+    if missing:
+        raise SystemExit(f"{', '.join(missing)}: file not found (--data, --src, --tgt)")
     for name in ("valid", "val", "dev"):
         if all((args.data / f"{name}.{lang}").is_file() for lang in (args.src, args.tgt)):
             return args.data / "train", args.data / name

@@ -151,6 +151,17 @@ def decode_batch(model: EncoderDecoder, src: Tensor, args: argparse.Namespace) -
 DEFAULT_VOCAB = 8000  # --vocab-size
 
 
+def device_option(name: str) -> str:
+    """``--device``: a torch device name, ``cuda`` only where a GPU is visible (a usage error, not a traceback)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{name}: no CUDA device visible")
+    return name
+
+
 def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, rounds: int | None,
                     heap_headroom_mb: int = 0) -> None:
     """The options every same-batches training benchmark takes (data, batches, timing, device)."""
@@ -162,7 +173,7 @@ def add_common_args(p: argparse.ArgumentParser, *, warmup: int, steps: int, roun
     p.add_argument("--steps", type=int, default=steps, help="timed training batches per system")
     p.add_argument("--rounds", type=int, default=rounds, help="alternating blocks the timed steps are split into")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cpu", help="cpu | cuda (timings synchronise the GPU)")
+    p.add_argument("--device", default="cpu", type=device_option, help="cpu | cuda (timings synchronise the GPU)")
     p.add_argument("--precision", default="fp32", choices=[x for x in PRECISIONS if x != "fp16"],  # no GradScaler
                    help="train.precision of every system: tf32 matmuls (CUDA) or bf16 autocast")
     p.add_argument("--seed", type=int, default=1)
@@ -179,17 +190,35 @@ def default_work(args: argparse.Namespace, name: str = "bench-data") -> Path:
     return Path(f"runs/{name}-{args.src}-{args.tgt}{suffix}")
 
 
+def prepare_once(work: Path, langs: list[str], make: Callable[[], Any]) -> bool:
+    """Run ``make`` (which writes the prepared directory ``work``) unless ``work`` already holds ``langs``; returns
+    whether it ran. A cache of other languages, or a bad input to ``make`` (a missing file or language, too small a
+    vocabulary: a ``ValueError``), exits with a one-line message instead of a traceback."""
+    if (work / "meta.json").is_file():
+        have = load_meta(work)["langs"]
+        missing = [lang for lang in langs if lang not in have]
+        if missing:
+            raise SystemExit(f"{work} holds languages {' '.join(have)}, not {' '.join(missing)}: pass another --work")
+        return False
+    try:
+        make()
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return True
+
+
 def prepared_data(args: argparse.Namespace, work: Path, with_valid: bool = True) -> int:
     """Prepare ``args.data`` (train, and val or valid) into the cache ``work`` once; returns the vocabulary size."""
-    if not (work / "meta.json").is_file():
-        splits = {"train": args.data / "train"}
-        if with_valid:
-            splits["valid"] = args.data / ("val" if (args.data / f"val.{args.src}").is_file() else "valid")
-        prepare(splits, [args.src, args.tgt], work, vocab_size=args.vocab_size, joint=True)
+    splits = {"train": args.data / "train"}
+    if with_valid:
+        splits["valid"] = args.data / ("val" if (args.data / f"val.{args.src}").is_file() else "valid")
+    fresh = prepare_once(work, [args.src, args.tgt],
+                         lambda: prepare(splits, [args.src, args.tgt], work, vocab_size=args.vocab_size, joint=True))
     meta = load_meta(work)
     if meta["vocab_size"][args.tgt] != args.vocab_size:
-        raise SystemExit(f"{work} holds a {meta['vocab_size'][args.tgt]}-piece vocabulary, not --vocab-size "
-                         f"{args.vocab_size}: pass another --work")
+        raise SystemExit(f"{args.data} gives only {meta['vocab_size'][args.tgt]} pieces: pass a smaller --vocab-size"
+                         if fresh else f"{work} holds a {meta['vocab_size'][args.tgt]}-piece vocabulary, not "
+                         f"--vocab-size {args.vocab_size}: pass another --work")
     return load_tokenizer(work, args.tgt, meta).vocab_size
 
 
