@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "timed_tgt_tokens": timed_tokens, "train_steps_before_decode": args.train_steps,
                    "label_smoothing": cfg.train.label_smoothing, "clip_norm": cfg.train.clip_norm,
                    "decode_sentences": len(sources), "decode_batches": len(src_batches), "beam": args.beam,
-                   "len_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "seed": args.seed},
+                   "len_penalty": 0.6, "max_len_a": 1.5, "max_len_b": 10, "decode_max_tokens": args.decode_max_tokens,
+                   "lr_warmup": args.lr_warmup, "heap_headroom_mb": args.heap_headroom_mb, "seed": args.seed},
         "peak_rss_mb_by_phase": {k: round(v, 1) for k, v in rss.items()},
         "note": "peak RSS is process-wide (ru_maxrss): both systems live in one process, so a phase's value "
                 "includes everything allocated before it",
