@@ -449,12 +449,12 @@ class Trainer:
                     p.stopped = f"reached max_minutes={tc.max_minutes}"
                 if p.update >= tc.max_updates:
                     p.stopped = f"reached max_updates={tc.max_updates}"
-                if stop_signal:
+                if stop_signal and not p.stopped:  # a budget that ends at this update ends the run as without it
                     p.stopped = "interrupted (resume with the same command)"
                 due_valid = bool(tc.validate_every and p.update % tc.validate_every == 0 and not skipped)
                 is_best = False
                 paused = time.perf_counter()  # validation and saving are not training speed
-                if self.valid_data is not None and (due_valid or (p.stopped and not stop_signal)):
+                if self.valid_data is not None and (due_valid or (p.stopped and not p.stopped.startswith("interrupted"))):
                     is_best = self.validate(scheduled=due_valid)
                 if is_best or p.stopped or (not skipped and tc.save_every and p.update % tc.save_every == 0):
                     self.save(best=is_best)
