@@ -7,9 +7,10 @@ a layer still carries the token's identity, the higher the accuracy.
 
 Choices the paper leaves open: the split's sentences are divided at random (seeded, the same for every
 checkpoint) into training and held-out parts, a repeated sentence pair kept once; BOS and EOS positions are
-not probed; states are standardised with the training part's per-feature mean and std (layers differ in scale under pre-norm);
-the probe predicts among the sub-words seen in its training part, so an unseen held-out sub-word counts as
-an error (its share is reported as ``unseen``); Adam, lr 1e-3, a fixed number of epochs.
+not probed; states are standardised with the training part's per-feature mean and std (layers differ in
+scale under pre-norm); the probe predicts among the sub-words seen in its training part, so an unseen
+held-out sub-word counts as an error (its share is reported as ``unseen``); Adam, lr 1e-3, a fixed number of
+epochs.
 """
 from __future__ import annotations
 

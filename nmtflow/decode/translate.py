@@ -147,13 +147,17 @@ class Translator:
         return cls(model, src_tok, tgt_tok, decode or config.decode, config)
 
     @property
+    def model_source_tokens(self) -> int | None:
+        """Pieces of a source the model's positions hold (less EOS and any ``src_prefix`` tag); None: no bound."""
+        positions = source_positions(self.model)
+        return None if positions is None else max(0, positions - 1 - (self.src_prefix is not None))
+
+    @property
     def max_source_tokens(self) -> int:
         """Pieces of a source a translation reads: ``decode.max_input_tokens``, fewer where the model's positions
         (EOS and any ``src_prefix`` tag included) hold fewer."""
-        positions = source_positions(self.model)
-        if positions is None:
-            return self.decode.max_input_tokens
-        return max(0, min(self.decode.max_input_tokens, positions - 1 - (self.src_prefix is not None)))
+        room = self.model_source_tokens
+        return self.decode.max_input_tokens if room is None else min(self.decode.max_input_tokens, room)
 
     def encode_source(self, lines: list[str], *, first_line: int = 1, name: str | None = None) -> list[list[int]]:
         """Sentences → source ids, each cut to :attr:`max_source_tokens` with a warning naming its line
@@ -238,13 +242,12 @@ class Translator:
                                 self.decode.max_input_tokens)
                 src_ids[n] = seq[:self.decode.max_input_tokens]
         tgt_ids = self.tgt_tokenizer.encode_batch(targets)
-        positions = source_positions(self.model)
-        if positions is not None:
-            src_limit = positions - 1 - (self.src_prefix is not None)
+        src_limit = self.model_source_tokens
+        if src_limit is not None:
             for n, seq in enumerate(src_ids):
                 if len(seq) > src_limit:
                     raise ValueError(f"{locate(n, 'source')} has {len(seq)} tokens; the model reads at most "
-                                     f"{src_limit} (max_positions={positions})")
+                                     f"{src_limit} (max_positions={source_positions(self.model)})")
         limit = int(getattr(self.model.config, "max_positions", 1 << 30)) - 1
         for n, seq in enumerate(tgt_ids):
             if len(seq) >= limit:

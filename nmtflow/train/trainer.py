@@ -408,8 +408,9 @@ class Trainer:
                     p.epoch, p.position = p.epoch + 1, 0
                 p.elapsed = time.perf_counter() - start
                 skipped = bool(stats["skipped"])
-                if stats.get("overflow"):
-                    scale = self.scaler.get_scale() if self.scaler is not None else 0.0
+                if stats.get("overflow"):  # (only with fp16's GradScaler)
+                    assert self.scaler is not None
+                    scale = self.scaler.get_scale()
                     self.record("overflow", {"loss_scale": scale})
                     log.info("fp16 gradients overflowed after update %d: loss scale lowered to %g, batch dropped",
                              p.update, scale)
@@ -595,10 +596,10 @@ def trim_log(path: Path, update: int) -> None:
         path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
+MIN_LOSS_SCALE = 1e-4  # fp16: below this loss scale gradients overflow even unscaled, so training stops
 # Settings a resumed run may change: they do not alter the trajectory of the parameters (the data order, the
 # model, the optimiser and its schedule), only how long it runs, what it records and where. Keys are dotted
 # config paths; a key ending in "." stands for its whole section.
-MIN_LOSS_SCALE = 1e-4  # fp16: below this loss scale gradients overflow even unscaled, so training stops
 RESUMABLE_CHANGES = (
     "train.save_dir", "train.device", "train.threads", "train.precision", "train.fused_optimizer",
     "train.max_updates", "train.max_epochs", "train.max_minutes", "train.patience", "train.max_bad_updates",
