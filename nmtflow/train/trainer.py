@@ -61,6 +61,7 @@ class Progress:
     elapsed: float = 0.0  # training seconds, summed over resumed runs
     stopped: str = ""  # why training ended, once it has
     bad_updates: int = 0  # consecutive updates skipped for a non-finite loss
+    validated_at: int | None = None  # the update of the last validation
 
 
 @dataclass
@@ -264,6 +265,8 @@ class Trainer:
                 torch.cuda.set_rng_state(mine["cuda"].cpu(), self.device)
         saved = {k: v for k, v in ckpt["progress"].items() if k in Progress.__dataclass_fields__}
         stopped = saved.get("stopped", "")
+        if "validated_at" not in saved and stopped and not stopped.startswith("interrupted"):
+            saved["validated_at"] = saved.get("update")  # older checkpoints: a run that ended validated at its end
         if stopped.startswith(RECHECKED_STOPS):  # budgets and patience are checked again: they may have been raised
             stopped = ""
         self.progress = Progress(**{**saved, "stopped": stopped})
@@ -400,6 +403,10 @@ class Trainer:
                 reason = self.budget_spent()
                 if reason:  # e.g. the same command again after the run finished: nothing more to do
                     p.stopped = reason
+                    if self.valid_data is not None and p.validated_at != p.update:  # resumed from a checkpoint
+                        # that never had the end-of-run validation: interrupted, or periodic under a budget
+                        # lowered since; like any budget's last validation, it does not count for patience
+                        self.save(best=self.validate(scheduled=False))
                     break
                 group = [next(stream) for _ in range(tc.update_freq)]
                 stats = self.train_step([b for _, _, b in group])
@@ -529,6 +536,7 @@ class Trainer:
         cut short by a budget and then continued trains exactly as one that was never cut.
         """
         tc, p = self.config.train, self.progress
+        p.validated_at = p.update
         nll, _ = self.validation_loss()
         values = {"nll": nll, "ppl": math.exp(min(nll, 50))}
         if tc.valid_bleu:

@@ -85,6 +85,39 @@ def test_a_budget_cut_then_continued_trains_as_one_never_cut(copy_data: Path, tm
     assert (cut.progress.best, cut.progress.bad_validations) == (full.progress.best, full.progress.bad_validations)
 
 
+def test_a_resume_where_the_budget_ends_gets_the_validation_its_checkpoint_missed(copy_data: Path,
+                                                                                  tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train_in_process(small_config(copy_data, run, max_updates=4, save_every=2))  # validates only at its end (4)
+    assert [u for u, _ in valid_entries(run)] == [4]
+    finished = load_checkpoint(run / "checkpoint_last.pt")
+
+    def resume_from(progress: dict, max_updates: int) -> Trainer:
+        ckpt = load_checkpoint(run / "checkpoint_2.pt")
+        ckpt["progress"] = progress
+        save_atomic(ckpt, run / "checkpoint_last.pt")
+        return train_in_process(small_config(copy_data, run, max_updates=max_updates))
+
+    # a periodic checkpoint under a budget lowered to where it stands: the run ends there, validated
+    trainer = resume_from(load_checkpoint(run / "checkpoint_2.pt")["progress"], max_updates=2)
+    assert [u for u, _ in valid_entries(run)] == [2] and trainer.progress.validated_at == 2
+    ended = load_checkpoint(run / "checkpoint_last.pt")["progress"]
+    assert (ended["stopped"], ended["validated_at"]) == ("reached max_updates=2", 2)
+    log = (run / "log.jsonl").read_text(encoding="utf-8")
+    train_in_process(small_config(copy_data, run, max_updates=2))  # once ended, the same command does nothing
+    assert (run / "log.jsonl").read_text(encoding="utf-8") == log
+    # checkpoints written before validated_at existed: interrupted during the last update, it validates ...
+    old = {k: v for k, v in ended.items() if k != "validated_at"}
+    (run / "log.jsonl").write_text("", encoding="utf-8")
+    resume_from({**old, "stopped": "interrupted (resume with the same command)"}, max_updates=2)
+    assert [u for u, _ in valid_entries(run)] == [2]
+    # ... ended by its budget, it had the validation and stays finished
+    (run / "log.jsonl").write_text("", encoding="utf-8")
+    resume_from({**old, "stopped": "reached max_updates=2"}, max_updates=2)
+    assert valid_entries(run) == []
+    assert finished["progress"]["validated_at"] == 4
+
+
 def test_a_fresh_start_removes_the_earlier_runs_checkpoints(copy_data: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train_in_process(small_config(copy_data, run, max_updates=6, save_every=2, validate_every=2))
