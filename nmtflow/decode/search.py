@@ -79,7 +79,8 @@ def top_candidates(scores: Tensor, count: int) -> tuple[Tensor, Tensor]:
 
 
 def _decoder_limit(model: EncoderDecoder) -> int:
-    return int(getattr(model.config, "max_positions", 1024)) - 2
+    """Most output tokens (EOS excluded): BOS and P − 1 tokens fill the P positions, as in training."""
+    return int(getattr(model.config, "max_positions", 1024)) - 1
 
 
 @torch.inference_mode()  # no autograd bookkeeping at all: ~4% faster than no_grad on a 2-core CPU

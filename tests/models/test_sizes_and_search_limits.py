@@ -73,3 +73,17 @@ def test_beam_wider_than_the_vocabulary() -> None:
     src = torch.tensor([[4, 5, 3], [5, 3, 0]])
     for nbest in beam_search(model, src, beam_size=8, nbest=2, max_len_b=3):
         assert len(nbest) == 2 and all(h.logprob > float("-inf") for h in nbest)
+
+
+@pytest.mark.parametrize("model", [{}, {"name": "convs2s", "embed_dim": 16, "hidden": 16,
+                                        "layer_groups": [[1, 16, 3]]}], ids=["transformer", "convs2s"])
+def test_outputs_may_fill_the_positions_training_allows(model: dict) -> None:
+    """A target of P − 1 tokens plus EOS trains in P positions (BOS + P − 1 inputs); decoding reaches it too."""
+    positions = 8
+    torch.manual_seed(0)
+    cfg = load_config(data={"model": {**(model or TINY), "max_positions": positions}})
+    net = build_model(cfg.model, Vocabularies(V, V)).eval()
+    src = torch.randint(4, V, (2, 5))
+    beam = beam_search(net, src, beam_size=3, max_len_a=0.0, max_len_b=100, min_len=100)
+    assert [len(hyps[0].tokens) for hyps in beam] == [positions - 1] * 2
+    assert all(len(h.tokens) <= positions - 1 for h in greedy_search(net, src, max_len_a=0.0, max_len_b=100))
