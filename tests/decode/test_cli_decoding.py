@@ -21,7 +21,7 @@ from nmtflow.decode.search import beam_search, greedy_search, length_penalty
 from nmtflow.decode.translate import Translator
 from nmtflow.models.base import Vocabularies, build_model
 
-from tests.conftest import tiny_config
+from tests.conftest import WORDS, tiny_config
 from tests.models.test_transformer import batch, make
 
 LONG = "alpha bravo " * 40  # 80 words: more pieces than a max_positions=64 model reads
@@ -224,6 +224,21 @@ def test_a_source_tag_counts_against_the_positions(copy_data: Path, caplog: pyte
         assert [r.getMessage() for r in caplog.records] == [
             f"in.txt:7: input line 7 has {len(tok.encode_batch([LONG])[0])} tokens; truncated to {limit} "
             "(the model's max_positions=16)"]
+
+
+def test_score_takes_targets_as_long_as_training_does(copy_data: Path) -> None:
+    """A target of max_positions − 1 pieces (EOS makes max_positions) is scored; one piece more is refused."""
+    tok = Tokenizer(copy_data / load_meta(copy_data)["tokenizers"]["src"])
+    cfg = load_config(data={"model": {"name": "transformer", "d_model": 32, "ffn_dim": 64, "heads": 4,
+                                      "encoder_layers": 1, "decoder_layers": 1, "max_positions": 16}})
+    torch.manual_seed(0)
+    model = build_model(cfg.model, Vocabularies(tok.vocab_size, tok.vocab_size, joint=True)).eval()
+    translator = Translator(model, tok, tok, DecodeConfig())
+    texts = [" ".join([word] * n) for word in WORDS for n in range(1, 20)]  # some word is one piece
+    by_length = {len(ids): text for text, ids in zip(texts, tok.encode_batch(texts))}
+    assert len(translator.score(["b"], [by_length[15]])) == 1
+    with pytest.raises(ValueError, match="target line 1 has 16 tokens; the model scores at most 15"):
+        translator.score(["b"], [by_length[16]])
 
 
 # ---- bug 5: warnings name the true line ------------------------------------------------------------------------
