@@ -95,10 +95,10 @@ def cmd_average(args: argparse.Namespace) -> None:
 
 
 def _translator(args: argparse.Namespace):
-    from nmtflow.decode.multilingual import open_translator
+    from nmtflow.decode.ensemble import open_translators
     from nmtflow.train.trainer import resolve_device
 
-    translator = open_translator(args.checkpoint, resolve_device(args.device), args.src_lang, args.tgt_lang)
+    translator = open_translators(args.checkpoint, resolve_device(args.device), args.src_lang, args.tgt_lang)
     d = translator.decode
     for field, value in (("beam_size", args.beam), ("nbest", args.nbest), ("len_penalty", args.lenpen),
                          ("max_len_a", args.max_len_a), ("max_len_b", args.max_len_b),
@@ -405,7 +405,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------------------------------
 def _decode_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", nargs="?" if p.prog.endswith("evaluate") else None, help="a checkpoint (.pt)")
+    p.add_argument("checkpoint", nargs="*" if p.prog.endswith("evaluate") else "+",
+                   help="a checkpoint (.pt); several: an ensemble (their probabilities averaged)")
     p.add_argument("--beam", type=int, help="beam size (default: the config's, 5)")
     p.add_argument("--nbest", type=int, help="hypotheses per input (printed as INDEX<TAB>SCORE<TAB>TEXT)")
     p.add_argument("--greedy", action="store_true", help="greedy search")

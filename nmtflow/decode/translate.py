@@ -94,6 +94,11 @@ def batches_by_length(lengths: list[int], max_tokens: int) -> Iterator[list[int]
 def position_limits(cfg: Any) -> tuple[int | None, int | None]:
     """Positions a source and a target (EOS and any tag included) may take in a model of config ``cfg``; None
     where positions do not bound that side (LSTMs: ``POSITIONS_BOUND_LENGTH = False``)."""
+    members = getattr(cfg, "members", None)
+    if isinstance(members, list):  # an ensemble (nmtflow.decode.ensemble): the tightest bound on each side
+        limits = [position_limits(member) for member in members]
+        return tuple(min((lim[side] for lim in limits if lim[side] is not None), default=None)  # type: ignore[return-value]
+                     for side in (0, 1))
     sides = (getattr(cfg, "encoder", None), getattr(cfg, "decoder", None))
     if all(isinstance(side, str) for side in sides):  # the bridge: a stack per side, rnn or transformer
         limit = int(cfg.max_positions)

@@ -45,19 +45,21 @@ def corpus_perplexity(model: EncoderDecoder, data: Bitext, max_tokens: int = 409
     return PerplexityResult(nll_sum / max(tokens, 1), perplexity(nll_sum, tokens), tokens, len(data))
 
 
-def checkpoint_perplexity(checkpoint: str | Path, data_dir: str | Path, split: str = "valid", *,
+def checkpoint_perplexity(checkpoint: str | Path | list[str | Path], data_dir: str | Path, split: str = "valid", *,
                           max_tokens: int | None = None, device: str | torch.device = "cpu",
                           src_lang: str | None = None, tgt_lang: str | None = None) -> dict[str, Any]:
     """Perplexity of a checkpoint on ``data_dir``'s ``split``, in the checkpoint's language direction, or in
     ``src_lang → tgt_lang`` (a direction of a multilingual checkpoint; a bilingual one accepts its own).
 
     The data must be tokenised with the checkpoint's own SentencePiece model (else the ids mean other pieces).
+    Several checkpoints: the perplexity of their ensemble (:mod:`nmtflow.decode.ensemble`).
     """
-    from nmtflow.decode.multilingual import open_translator
+    from nmtflow.decode.ensemble import open_translators
 
-    translator = open_translator(checkpoint, device, src_lang, tgt_lang)
+    paths = checkpoint if isinstance(checkpoint, list) else [checkpoint]
+    translator = open_translators(paths, device, src_lang, tgt_lang)
     direction = translator_direction(translator)
-    data = open_checkpoint_data(translator, data_dir, split, checkpoint=checkpoint)
+    data = open_checkpoint_data(translator, data_dir, split, checkpoint=paths[0])
     check_positions(translator, data, data_dir, split)
     cfg = translator.config
     assert cfg is not None
