@@ -53,6 +53,10 @@ def cmd_prepare(args: argparse.Namespace) -> None:
                    workers=args.workers)
     for split, info in meta["splits"].items():
         print(f"{split}: {info['rows']} rows" + (f" ({info['dropped']} dropped by cleaning)" if info.get("dropped") else ""))
+    for name, size in {meta["tokenizers"][lang]: meta["vocab_size"][lang] for lang in meta["langs"]}.items():
+        if size < args.vocab_size:  # SentencePiece stopped early: the training text has no more merges
+            print(f"nmtflow prepare: note: {name} has {size} pieces, fewer than --vocab-size {args.vocab_size} "
+                  "(the training data yields no more)", file=sys.stderr)
     print(f"prepared data in {args.out}")
 
 

@@ -51,6 +51,18 @@ def read_lines(path: str | Path) -> list[str]:
     return [ln.rstrip("\r") for ln in lines]
 
 
+#: Characters that are not whitespace to Python but that SentencePiece's normalisation (nmt_nfkc) drops or turns
+#: into a space: C0/C1 controls, zero-width space and non-joiner, direction marks, the Arabic letter mark, the
+#: piece separator U+2581, a byte-order mark (U+FEFF) and U+FFFD. A line of only these encodes to no tokens.
+INVISIBLE = "".join(map(chr, [*range(0x01, 0x09), *range(0x0E, 0x1C), 0x7F, 0x8F, 0x9F, 0x061C,
+                              0x200B, 0x200C, 0x200E, 0x200F, 0x2581, 0xFEFF, 0xFFFD]))
+
+
+def is_blank(text: str) -> bool:
+    """True when ``text`` has nothing SentencePiece would encode: only whitespace and :data:`INVISIBLE` characters."""
+    return not "".join(text.split()).strip(INVISIBLE)
+
+
 def normalize_line(text: str) -> str:
     """Collapse every run of whitespace to one space and strip both ends."""
     return " ".join(text.split())
@@ -130,7 +142,8 @@ def iter_parallel(
     Lines are decoded as strict UTF-8, their line ending removed and whitespace normalised
     (:func:`normalize_line`). Raises :class:`CorpusError` for a missing file, invalid UTF-8
     (file, line and byte offset), files with different line counts (when the shorter one ends)
-    and, with ``allow_empty=False``, a line that is empty after normalisation. Files are read
+    and, with ``allow_empty=False``, a line that is empty after normalisation or holds only
+    :data:`INVISIBLE` characters (it would encode to no tokens). Files are read
     in blocks; memory use does not depend on the corpus size.
     """
     paths = [Path(p) for p in paths]
@@ -144,9 +157,13 @@ def iter_parallel(
             yield from rows
         else:
             for line_no, texts in rows:
-                if not all(texts):
-                    bad = paths[texts.index("")]
-                    raise CorpusError(bad, "empty line (not allowed outside the training split)", line_no)
+                # normalised lines are stripped, so a blank one is empty or starts with an invisible character
+                blank = [i for i, t in enumerate(texts) if not t or (t[0] in INVISIBLE and is_blank(t))]
+                if blank:
+                    text = texts[blank[0]]
+                    codes = ", ".join(f"U+{ord(c):04X}" for c in sorted(set(text) - {" "}))
+                    what = f"line of only invisible characters ({codes})" if text else "empty line"
+                    raise CorpusError(paths[blank[0]], f"{what} (not allowed outside the training split)", line_no)
                 yield line_no, texts
     except ValueError as e:
         if type(e) is not ValueError or "zip()" not in str(e):
@@ -208,6 +225,6 @@ def keep_mask(lengths: np.ndarray, cfg: CleanConfig) -> np.ndarray:
 
 
 __all__ = [
-    "CorpusError", "iter_parallel", "count_lines", "normalize_line",
+    "CorpusError", "iter_parallel", "count_lines", "normalize_line", "is_blank", "INVISIBLE",
     "CleanConfig", "keep_row", "clean_row", "keep_mask",
 ]

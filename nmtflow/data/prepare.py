@@ -19,7 +19,7 @@ from glob import escape as glob_escape
 from dataclasses import asdict
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -156,25 +156,27 @@ def prepare(
     for split, n in lines.items():
         if n == 0:
             raise CorpusError(files[split][0], f"the {'training' if split == train_split else split} split is empty")
-    # the checks passed: from here on the directory is incomplete until meta.json is rewritten (a prepared
-    # directory survives a failed check of new input)
-    (out_dir / META_FILE).unlink(missing_ok=True)
-
-    # 2. tokenizers, trained on the training split
+    # 2. tokenizers, trained on the training split under temporary names
     symbols = [lang_tag(lang) for lang in langs] if lang_tags else []
     train_kw = dict(user_symbols=symbols, max_sentences=max_sentences, num_threads=num_threads, seed=seed)
-    toks: dict[str, Tokenizer] = {}
-    tok_files: dict[str, str] = {}
-    if joint:
-        tok = Tokenizer.train(files[train_split], out_dir / "spm", vocab_size, **train_kw)
-        for lang in langs:
-            toks[lang], tok_files[lang] = tok, tok.path.name
-    else:
-        for lang, path in zip(langs, files[train_split]):
-            tok = Tokenizer.train([path], out_dir / f"spm.{lang}", vocab_size, **train_kw)
-            toks[lang], tok_files[lang] = tok, tok.path.name
-    for tok in toks.values():
-        tok.num_threads = num_threads
+    names = {lang: "spm" if joint else f"spm.{lang}" for lang in langs}
+    sources = {name: [p for lang, p in zip(langs, files[train_split]) if names[lang] == name]
+               for name in dict.fromkeys(names.values())}
+    try:
+        for name, paths in sources.items():
+            Tokenizer.train(paths, out_dir / f".{name}.new", vocab_size, **train_kw)
+    except BaseException:
+        _remove_new_models(out_dir, sources)
+        raise
+    # the checks and the tokenizer training passed: from here on the directory is incomplete until meta.json is
+    # rewritten (a prepared directory survives a failed check of new input or a failed tokenizer training)
+    (out_dir / META_FILE).unlink(missing_ok=True)
+    for name in sources:
+        for ext in (".model", ".vocab"):
+            os.replace(out_dir / f".{name}.new{ext}", out_dir / f"{name}{ext}")
+    loaded = {name: Tokenizer(out_dir / f"{name}.model", num_threads=num_threads) for name in sources}
+    toks: dict[str, Tokenizer] = {lang: loaded[names[lang]] for lang in langs}
+    tok_files: dict[str, str] = {lang: f"{names[lang]}.model" for lang in langs}
 
     # 3. encode (in worker processes when workers > 1), clean (train only), binarize
     pool = None
@@ -215,12 +217,20 @@ def prepare(
     return meta
 
 
+def _remove_new_models(out_dir: Path, names: Iterable[str]) -> None:
+    """Delete the temporary ``.NAME.new.{model,vocab}`` files of tokenizers trained so far."""
+    for name in names:
+        for ext in (".model", ".vocab"):
+            (out_dir / f".{name}.new{ext}").unlink(missing_ok=True)
+
+
 def _binarize_split(split: str, paths: list[Path], langs: list[str], toks: dict[str, Tokenizer], out_dir: Path,
                     chunks: Iterator[list[list[list[int]]]], *, is_train: bool, clean: CleanConfig, total: int,
                     disable: bool | None) -> dict[str, int]:
     """Write ``SPLIT.LANG.{bin,idx}`` from encoded chunks (id lists per language and row); clean the training split."""
     writers = [IndexedWriter(split_prefix(out_dir, split, lang), max_id=toks[lang].vocab_size - 1) for lang in langs]
     rows = dropped = 0
+    empty = np.zeros(len(langs), dtype=np.int64)  # training lines per language that encode to no tokens
     try:
         with tqdm(total=total, desc=f"encode {split}", unit=" lines", disable=disable) as bar:
             for encoded in chunks:
@@ -229,6 +239,7 @@ def _binarize_split(split: str, paths: list[Path], langs: list[str], toks: dict[
                     lengths = np.stack(
                         [np.fromiter(map(len, e), dtype=np.int64, count=len(e)) for e in encoded], axis=1
                     )
+                    empty += (lengths == 0).sum(axis=0)
                     keep = keep_mask(lengths, clean)
                     if not keep.all():
                         dropped += int((~keep).sum())
@@ -244,7 +255,10 @@ def _binarize_split(split: str, paths: list[Path], langs: list[str], toks: dict[
     for w in writers:
         w.close()
     if is_train and rows == 0:
-        raise ValueError(f"{paths[0]}: cleaning dropped all {dropped} training rows (check CleanConfig {clean})")
+        side = int(np.argmax(empty))  # the file to blame: the one with the most empty lines, if any
+        blank = f"; {empty[side]} of its lines are empty" if empty[side] else ""
+        raise ValueError(f"{paths[side]}: cleaning dropped all {dropped} training rows{blank} "
+                         f"(check CleanConfig {clean})")
     return {"rows": rows, "dropped": dropped, "lines": total}
 
 
