@@ -367,6 +367,7 @@ def cmd_embed(args: argparse.Namespace) -> None:
 
     vectors = _embedder(args)(_read_lines(args.input), args.lang, name=args.input)
     output = args.output if args.output.endswith(".npy") else args.output + ".npy"  # what np.save writes
+    Path(output).parent.mkdir(parents=True, exist_ok=True)  # as every analyze command does for its --out
     np.save(output, vectors)
     print(f"wrote {output}: {vectors.shape[0]} sentences × {vectors.shape[1]} ({args.pooling} pooling)")
 

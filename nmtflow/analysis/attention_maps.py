@@ -29,12 +29,14 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from nmtflow.analysis.report import write_json
+from nmtflow.analysis.states import check_limits
 from nmtflow.data.batching import TokenBatchSampler, collate
 from nmtflow.data.bitext import Bitext
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.data.vocab import PAD
 from nmtflow.decode.multilingual import open_translator
-from nmtflow.evaluate.perplexity import open_checkpoint_data
+from nmtflow.decode.translate import position_limits
+from nmtflow.evaluate.perplexity import check_positions, open_checkpoint_data
 from nmtflow.models.base import EncoderDecoder, device_of
 from nmtflow.nn.attention import AttentionContext, MultiHeadAttention
 from nmtflow.nn.phrasal import PhrasalAttention, split_phrasal_weights
@@ -232,18 +234,29 @@ def run_attention_analysis(checkpoint: str | Path, out_dir: str | Path, *, src: 
     """``nmtflow analyze attention``: heat maps for ``src``/``tgt`` and/or phrase shares over ``data``'s split.
 
     Without ``tgt`` the heat maps are drawn for the model's own translation of ``src`` (a language model
-    needs ``tgt``: it ignores sources). A multilingual checkpoint needs ``src_lang`` and ``tgt_lang``.
+    needs ``tgt``: it ignores sources). A multilingual checkpoint needs ``src_lang`` and ``tgt_lang``. A model
+    without attention modules (ConvS2S, DenseNMT, an LSTM) is an error, as is a ``tgt`` or a sentence of
+    ``data``'s split longer than the model's positions.
     """
     if src is None and tgt is None and data is None:
         raise ValueError("analyze attention needs --src/--tgt sentences and/or --data DIR")
+    check_limits(max_sentences, max_tokens)
     translator = open_translator(checkpoint, device, src_lang, tgt_lang)
     model, out = translator.model, Path(out_dir)
+    if not any(isinstance(mod, MultiHeadAttention) for mod in model.modules()):
+        name = getattr(model.config, "name", type(model).__name__)
+        raise ValueError(f"{checkpoint}: the {name!r} model has no attention modules to draw (analyze attention "
+                         "covers models built from nmtflow.nn.attention, e.g. Transformers)")
     model.requires_grad_(False)
     files: list[Path] = []
     if src is not None or tgt is not None:
         src_ids = translator.encode_source([src or ""])[0]
         if tgt is not None:
             tgt_ids = translator.tgt_tokenizer.encode(tgt)
+            limit = position_limits(model.config)[1]
+            if limit is not None and len(tgt_ids) + 1 > limit:  # tgt_in: BOS, then the sub-words
+                raise ValueError(f"--tgt: {len(tgt_ids)} sub-words (with BOS {len(tgt_ids) + 1} positions) do not "
+                                 f"fit the model's max_positions={limit}; give a shorter --tgt")
         elif getattr(model.config, "name", "") == "lm":
             raise ValueError("analyze attention: a language model needs --tgt (it ignores --src)")
         else:
@@ -251,9 +264,10 @@ def run_attention_analysis(checkpoint: str | Path, out_dir: str | Path, *, src: 
         files += draw_heat_maps(model, src_ids, tgt_ids, translator.src_tokenizer, translator.tgt_tokenizer, out,
                                 src_prefix=translator.src_prefix)
     if data is not None:
+        bitext = open_checkpoint_data(translator, data, split)
+        check_positions(translator, bitext, data, split)  # the sentence too long for the model, named
         result = {"checkpoint": str(checkpoint), "split": split,
-                  **phrase_share(model, open_checkpoint_data(translator, data, split), max_tokens=max_tokens,
-                                 max_sentences=max_sentences)}
+                  **phrase_share(model, bitext, max_tokens=max_tokens, max_sentences=max_sentences)}
         write_json(result, out / "phrase_share.json")
         plot_phrase_share(result, out / "phrase_share.png")
         files += [out / "phrase_share.json", out / "phrase_share.png"]

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from nmtflow.analysis import plots
 from nmtflow.analysis.report import write_report
-from nmtflow.analysis.states import default_labels
+from nmtflow.analysis.states import check_limits, default_labels
 from nmtflow.data.batching import collate
 from nmtflow.data.corpus import CorpusError, read_lines
 from nmtflow.data.multilingual import Direction
@@ -227,6 +227,7 @@ def run_length_bleu(checkpoints: Sequence[str | Path], src: str | Path, ref: str
                     device: str | torch.device = "cpu") -> dict[str, Any]:
     """``nmtflow analyze length-bleu``: write ``length_bleu.json`` and ``length_bleu.png``."""
     spec = parse_buckets(buckets)
+    check_limits(max_sentences, max_tokens)
     sources, references = read_lines(src), read_lines(ref)
     if len(sources) != len(references):
         raise ValueError(f"{src} has {len(sources)} lines but {ref} has {len(references)}")
@@ -383,6 +384,7 @@ def run_head_entropy(checkpoints: Sequence[str | Path], src: str | Path, out_dir
     Uses the non-empty lines of ``src`` with at most ``max_words`` words (the paper: up to 40), the first
     ``max_sentences`` of them.
     """
+    check_limits(max_sentences, max_tokens)
     sentences = [s for s in read_lines(src) if s.strip() and (max_words is None or word_length(s) <= max_words)]
     sentences = sentences[:max_sentences] if max_sentences is not None else sentences
     if not sentences:

@@ -70,7 +70,9 @@ def logistic_regression(x_train: np.ndarray, y_train: np.ndarray, x_test: np.nda
 def classification(embed: Embed, train_path: str | Path, train_lang: str, test_path: str | Path,
                    test_lang: str | None = None, *, l2: float = 1e-3) -> dict[str, Any]:
     """Accuracy of a logistic-regression probe trained on ``train_path`` (``train_lang``), tested on
-    ``test_path`` (``test_lang``, default ``train_lang``)."""
+    ``test_path`` (``test_lang``, default ``train_lang``); ``l2`` must be a finite number >= 0."""
+    if not (math.isfinite(l2) and l2 >= 0):
+        raise ValueError(f"--l2: the L2 weight must be a finite number >= 0, got {l2}")
     train, test = read_numbered_tsv(train_path, 2), read_numbered_tsv(test_path, 2)
     labels = sorted({label for _, (_, label) in train})
     if len(labels) < 2:
@@ -132,9 +134,14 @@ def gold_score(path: str | Path, line_no: int, text: str) -> float:
 
 
 def similarity(embed: Embed, path: str | Path, lang: str, lang2: str | None = None) -> dict[str, Any]:
-    """Pearson/Spearman correlation of cos(emb(s1), emb(s2)) with the gold scores of ``path``."""
+    """Pearson/Spearman correlation of cos(emb(s1), emb(s2)) with the gold scores of ``path``; fewer than two
+    pairs, or gold scores all equal, leave the correlation undefined: an error."""
     rows = read_numbered_tsv(path, 3)
     gold = np.array([gold_score(path, n, g) for n, (_, _, g) in rows])
+    if len(rows) < 2:
+        raise CorpusError(path, f"{len(rows)} sentence pair: a correlation needs at least two")
+    if np.all(gold == gold[0]):
+        raise CorpusError(path, f"every gold score is {gold[0]:g}: the correlation with them is undefined")
     lang2 = lang2 or lang
     where = {"name": str(path), "line_numbers": [n for n, _ in rows]}
     scores = cosine(embed([r[0] for _, r in rows], lang, **where), embed([r[1] for _, r in rows], lang2, **where))

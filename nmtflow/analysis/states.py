@@ -21,6 +21,7 @@ from nmtflow.data.prepare import load_meta
 from nmtflow.data.vocab import PAD
 from nmtflow.decode.multilingual import is_multilingual
 from nmtflow.decode.translate import Translator, batches_by_length
+from nmtflow.evaluate.perplexity import check_positions
 from nmtflow.models.base import EncoderDecoder
 from nmtflow.nn.shortcuts import ShortcutAttention
 from nmtflow.train.checkpoint import load_checkpoint
@@ -68,6 +69,7 @@ def load_models(paths: Sequence[str | Path], data_dir: str | Path, split: str, l
     """Load checkpoints (eval mode, frozen) and open ``split`` of ``data_dir`` in each one's language pair.
 
     Bilingual checkpoints only: a multilingual one is an error. Labels (default: :func:`default_labels`) must differ.
+    A sentence of the split longer than a model's positions is an error naming its line (nothing is truncated).
     """
     if labels is not None and len(labels) != len(paths):
         raise ValueError(f"{len(labels)} labels given for {len(paths)} checkpoints")
@@ -92,15 +94,18 @@ def load_models(paths: Sequence[str | Path], data_dir: str | Path, split: str, l
             if tokenizer_path(data_dir, meta, lang).read_bytes() != tok.path.read_bytes():
                 raise ValueError(f"{data_dir}: its {lang} tokenizer is not the one {path} was trained with")
         model.requires_grad_(False)
-        models.append(Model(label, Path(path), model, open_bitext(data_dir, split, dc.src_lang, dc.tgt_lang)))
+        data = open_bitext(data_dir, split, dc.src_lang, dc.tgt_lang)
+        check_positions(translator, data, data_dir, split)  # the sentence too long for the model, named
+        models.append(Model(label, Path(path), model, data))
     return models
 
 
-def check_limits(max_sentences: int | None, max_tokens: int) -> None:
-    """One-line errors for sentence and batch limits (named as the options of ``nmtflow analyze``)."""
+def check_limits(max_sentences: int | None, max_tokens: int | None) -> None:
+    """One-line errors for sentence and batch limits (named as the options of ``nmtflow analyze``; None: no limit
+    given)."""
     if max_sentences is not None and max_sentences < 1:
         raise ValueError(f"--max-sentences: must be >= 1, got {max_sentences}")
-    if max_tokens < 1:
+    if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"--batch-tokens: must be >= 1, got {max_tokens}")
 
 
