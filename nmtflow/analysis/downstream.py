@@ -145,5 +145,7 @@ def similarity(embed: Embed, path: str | Path, lang: str, lang2: str | None = No
     lang2 = lang2 or lang
     where = {"name": str(path), "line_numbers": [n for n, _ in rows]}
     scores = cosine(embed([r[0] for _, r in rows], lang, **where), embed([r[1] for _, r in rows], lang2, **where))
+    if np.ptp(scores) < 1e-6:  # e.g. every pair two equal sentences (cosines equal up to rounding)
+        raise CorpusError(path, f"every pair's cosine is {scores[0]:g}: the correlation is undefined")
     return {"task": "similarity", "lang": lang, "lang2": lang2, "pearson": pearson(scores, gold),
             "spearman": spearman(scores, gold), "examples": len(rows)}

@@ -104,7 +104,8 @@ def fake_embed(lines: list[str], lang: str, **where: Any) -> np.ndarray:
     return np.array([[len(s), 1.0 + s.count("a")] for s in lines], dtype=np.float32)
 
 
-@pytest.mark.parametrize("rows", [["a b\tb c\t3", "a a\tc\t3", "b\ta\t3"], ["a b\tb c\t3"]])
+@pytest.mark.parametrize("rows", [["a b\tb c\t3", "a a\tc\t3", "b\ta\t3"], ["a b\tb c\t3"],
+                                  ["a b\ta b\t1", "c\tc\t2"]])  # the last: every cosine is 1
 def test_downstream_similarity_without_a_defined_correlation_is_an_error(rows: list[str], tmp_path: Path) -> None:
     """Before: ``pearson nan | spearman nan``, and ``--json`` printed NaN, which is not JSON."""
     path = tmp_path / "sts.tsv"
