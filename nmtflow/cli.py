@@ -400,7 +400,9 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
 def cmd_compare(args: argparse.Namespace) -> None:
     from nmtflow.evaluate.compare import run_comparison
 
-    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
+    if only == []:
+        raise ValueError(f"--only {args.only!r}: name one or more runs of the experiment, e.g. --only NAME,NAME")
     result = run_comparison(args.experiment, out=args.out, overrides=args.set, plugins=args.plugin, only=only)
     print(f"results: {result.out / 'results.md'}")
     if result.failed:

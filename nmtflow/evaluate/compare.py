@@ -1,5 +1,7 @@
 """``nmtflow compare EXPERIMENT.yaml``: train several configs under one budget and compare them side by side.
 
+0. every run's config and device is checked first; ``OUT/comparison.json`` marks OUT as a comparison's (an
+   existing OUT without it that holds what a comparison writes, e.g. ``results.md`` or ``runs/``, is refused);
 1. the data is prepared once into ``OUT/data`` (cached; the built-in corpus is generated into ``OUT/corpus``);
 2. every (run × seed) trains into ``OUT/runs/NAME/seed-S``, each in its own process by default
    (``isolate: true``: peak memory is per run and a crash fails only that run), ``parallel: N`` of them at
@@ -19,6 +21,7 @@ import hashlib
 import json
 import logging
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +42,7 @@ from nmtflow.evaluate.experiment import ExperimentConfig, load_experiment, parse
 log = logging.getLogger("nmtflow.compare")
 DATA_KEY = "experiment-data.json"
 DATA_IDENTITY = "data-identity.json"  # in OUT: the prepared data its runs were trained on
+MARKER = "comparison.json"  # in OUT, written first: the directory is a comparison's (a rerun may continue it)
 # config entries that may change without invalidating a trained run (the budget is checked separately): paths,
 # budget, device, logging, and the decode section (test decoding is keyed by the job's eval_key instead)
 LEGACY_VOLATILE = {("train", "save_dir"), ("train", "max_updates"), ("train", "max_epochs"),
@@ -62,6 +66,24 @@ class ComparisonResult:
     files: list[Path]
     runs: list[dict[str, Any]]
     failed: list[str]
+
+
+# ---- output directory -----------------------------------------------------------------------------------
+def check_out(out: Path) -> None:
+    """``out`` is new, a comparison's (to continue), or holds none of the files a comparison writes."""
+    from nmtflow.evaluate.compare_report import PLOTS
+
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a directory")
+    if any((out / name).is_file() for name in (MARKER, DATA_IDENTITY, "corpus/corpus.json", f"data/{DATA_KEY}")) \
+            or any(out.glob("runs/*/seed-*/job.json")):  # comparisons from before MARKER
+        return
+    clash = [name for name in ("results.md", "results.json", *PLOTS, "runs", "data", "corpus") if (out / name).exists()]
+    if clash:
+        raise ConfigError(f"--out {out}: not a comparison's directory, and it holds {', '.join(clash)}, which a "
+                          "comparison would overwrite or mix with; use another --out")
 
 
 # ---- data -----------------------------------------------------------------------------------------------
@@ -195,14 +217,36 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def run_config(exp: ExperimentConfig, index: int, seed: int, data: PreparedData, run_dir: Path) -> Config:
-    """The training config of run ``index`` with ``seed``: its file + overrides, then the experiment's settings."""
+def load_run_config(exp: ExperimentConfig, index: int) -> Config:
+    """Run ``index``'s config file with the experiment's and the run's overrides (errors name the run)."""
     run = exp.runs[index]
     path = resolve_config_path(run.config, exp.file)
     try:
-        config = load_config(path, [*exp.overrides, *run.overrides])
+        return load_config(path, [*exp.overrides, *run.overrides])
     except ConfigError as exc:
         raise ConfigError(f"{exp.file}: runs[{index}] ({run.name}): {exc}") from None
+
+
+def check_runs(exp: ExperimentConfig) -> None:
+    """Every run's config loads and every device exists, before any data is prepared or run trained."""
+    import torch
+
+    src, tgt = parse_direction(exp.data.directions[0], f"{exp.file}: data.directions")
+    for index, run in enumerate(exp.runs):
+        if load_run_config(exp, index).data.multilingual is None and src == tgt:
+            raise ConfigError(f"{exp.file}: data.directions: the bilingual run {run.name!r} takes the first "
+                              f"direction, {exp.data.directions[0]}: source and target are the same language")
+    for key, name in [("device", exp.device)] + [(f"devices[{i}]", d) for i, d in enumerate(exp.devices)]:
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"{exp.file}: {key}: {name}, but CUDA is not available on this machine")
+        if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+            raise ConfigError(f"{exp.file}: {key}: {name}, but this machine has {torch.cuda.device_count()} "
+                              "CUDA device(s)")
+
+
+def run_config(exp: ExperimentConfig, index: int, seed: int, data: PreparedData, run_dir: Path) -> Config:
+    """The training config of run ``index`` with ``seed``: its file + overrides, then the experiment's settings."""
+    config = load_run_config(exp, index)
     dc, tc = config.data, config.train
     dc.path, dc.train_split, dc.valid_split = str(data.dir), "train", "valid"
     dc.src_lang, dc.tgt_lang = parse_direction(exp.data.directions[0], "data.directions")
@@ -377,6 +421,10 @@ def _outcome(run_dir: Path, rc: int, stopped: bool) -> tuple[str, dict[str, Any]
     """(status, finished.json, error) of a run whose process exited with ``rc``."""
     if rc == EXIT_INTERRUPTED or stopped:
         return "interrupted", None, "interrupted"
+    if rc < 0:  # killed: the last line of its output is not the reason
+        name = signal.Signals(-rc).name if -rc in signal.valid_signals() else f"signal {-rc}"
+        why = " (out of memory?)" if -rc == signal.SIGKILL else ""
+        return "failed", None, f"killed by {name}{why}; its output is in {run_dir / 'train.log'}"
     if rc != 0:
         return "failed", None, f"exit status {rc}: {_log_tail(run_dir)}"
     done = read_json(run_dir / FINISHED)
@@ -457,7 +505,11 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
     command = shlex.join(["nmtflow", *[a for p in plugins for a in ("--plugin", p)], "compare", str(experiment),
                           "--out", str(out), *[a for o in overrides for a in ("--set", o)],
                           *(["--only", ",".join(only)] if only else [])])
+    check_runs(exp)
+    check_out(out)
     out.mkdir(parents=True, exist_ok=True)
+    if not (out / MARKER).is_file():
+        write_json(out / MARKER, {"experiment": exp.name, "file": str(experiment)})
     data = prepare_data(exp, out)
     check_data_identity(out, data)
     jobs = plan_jobs(exp, out, data, plugins)

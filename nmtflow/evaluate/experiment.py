@@ -21,6 +21,7 @@ Unknown keys are errors that name the file and the key; ``base: other.yaml`` inh
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 # keys the experiment sets for every run (the budget must be equal; seeds and data are the experiment's)
 RESERVED_KEYS = ("train.max_updates", "train.max_epochs", "train.max_minutes", "train.seed", "train.save_dir",
                  "data.path", "data.src_lang", "data.tgt_lang", "data.train_split", "data.valid_split")
+DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?|mps")  # as train.device
 
 
 def parse_direction(text: str, where: str) -> tuple[str, str]:
@@ -138,6 +140,16 @@ class DecodeSettings:
     max_tokens: int | None = None  # source tokens per decoding batch
     max_sentences: int | None = None  # decode only the first N sentences of each test set
 
+    def validate(self, where: str) -> None:
+        for name in ("beam_size", "max_tokens", "max_sentences"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{where}.{name}: must be >= 1 (or null), got {value}")
+        for name in ("max_len_a", "max_len_b"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{where}.{name}: must be >= 0 (or null), got {value}")
+
     def search_overrides(self) -> dict[str, Any]:
         keys = ("beam_size", "len_penalty", "max_len_a", "max_len_b", "greedy", "max_tokens")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
@@ -183,6 +195,14 @@ class ExperimentConfig:
             raise ConfigError(f"{where}: decode.checkpoint: 'averaged' needs average_last")
         if not self.test_sets:
             raise ConfigError(f"{where}: test_sets: name at least one split of data.splits")
+        dup = next((t for t in self.test_sets if self.test_sets.count(t) > 1), None)
+        if dup:
+            raise ConfigError(f"{where}: test_sets: {dup!r} is listed twice")
+        for key, device in [("device", self.device)] + [(f"devices[{i}]", d) for i, d in enumerate(self.devices)]:
+            if not DEVICE.fullmatch(device):
+                raise ConfigError(f"{where}: {key}: expected auto, cpu, cuda, cuda:N or mps, got {device!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"{where}: threads: must be >= 1 (or null: torch's default), got {self.threads}")
         if self.parallel < 1:
             raise ConfigError(f"{where}: parallel: must be >= 1")
         if self.parallel > 1 and not self.isolate:

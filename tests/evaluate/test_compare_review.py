@@ -1,0 +1,103 @@
+"""``nmtflow compare`` review: mistakes that used to train (or prepare data) before failing, an --out that is not
+a comparison's, and why a killed run failed. None of these tests trains a model."""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from nmtflow.cli import main
+from nmtflow.config import ConfigError
+from nmtflow.evaluate import compare
+from nmtflow.evaluate.compare import run_comparison
+from nmtflow.evaluate.experiment import load_experiment
+from tests.evaluate.test_compare import TINY
+
+
+@pytest.fixture
+def experiment(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY, encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("override, message", [
+    ("decode.beam_size=0", r"decode\.beam_size: must be >= 1"),
+    ("decode.max_sentences=0", r"decode\.max_sentences: must be >= 1"),
+    ("decode.max_tokens=0", r"decode\.max_tokens: must be >= 1"),
+    ("decode.max_len_a=-1", r"decode\.max_len_a: must be >= 0"),
+    ("test_sets=[test, test]", r"test_sets: 'test' is listed twice"),
+    ("device=tpu", r"device: expected auto, cpu, cuda, cuda:N or mps, got 'tpu'"),
+    ("devices=[cpu, gpu0]", r"devices\[1\]: expected auto, cpu, cuda, cuda:N or mps, got 'gpu0'"),
+    ("threads=0", r"threads: must be >= 1"),
+])
+def test_settings_that_failed_after_training_are_errors_of_the_file(experiment: Path, override: str,
+                                                                    message: str) -> None:
+    """These trained every run, then failed to decode (or crashed writing the report: device=tpu)."""
+    with pytest.raises(ConfigError, match=rf"tiny\.yaml: {message}"):
+        load_experiment(experiment, [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("runs=[{name: a, config: no-such-config}]", r"tiny\.yaml: config 'no-such-config' not found"),
+    ("overrides=[model.no_such_key=3]", r"tiny\.yaml: runs\[0\] \(baseline\): .*unknown key 'no_such_key'"),
+    ("data.directions=[en-en]", r"tiny\.yaml: data\.directions: the bilingual run 'baseline' takes the first "
+                                r"direction, en-en: source and target are the same language"),
+])
+def test_run_errors_come_before_the_data_is_prepared(experiment: Path, tmp_path: Path, override: str,
+                                                     message: str) -> None:
+    """A run's config error used to surface only after generating and preparing the corpus (en-en: after
+    training, with BLEU nan)."""
+    with pytest.raises(ConfigError, match=message):
+        run_comparison(experiment, out=tmp_path / "out", overrides=[override])
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_cuda_devices_are_errors_before_training(experiment: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: devices\[0\]: cuda:7, but CUDA is not available"):
+        run_comparison(experiment, out=tmp_path / "out", overrides=["devices=[cuda:7]"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"devices\[0\]: cuda:7, but this machine has 2 CUDA device\(s\)"):
+        run_comparison(experiment, out=tmp_path / "out", overrides=["devices=[cuda:7]"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_directory_of_something_else_is_refused(experiment: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "results.md").write_text("my own results\n", encoding="utf-8")
+    (other / "runs").mkdir()
+    with pytest.raises(ConfigError, match=r"--out .*other: not a comparison's directory, and it holds results\.md, "
+                                          r"runs, which a comparison would overwrite"):
+        run_comparison(experiment, out=other)
+    assert (other / "results.md").read_text(encoding="utf-8") == "my own results\n"
+    assert sorted(p.name for p in other.iterdir()) == ["results.md", "runs"]
+    (tmp_path / "file").write_text("x", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"--out .*file: exists and is not a directory"):
+        run_comparison(experiment, out=tmp_path / "file")
+    # a directory that holds only unrelated files (say, the experiment file itself) is fine, and so is a comparison's
+    compare.check_out(tmp_path)
+    (other / compare.MARKER).write_text("{}", encoding="utf-8")
+    compare.check_out(other)
+
+
+def test_an_empty_only_is_an_error_not_every_run(experiment: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", str(experiment), "--out", str(tmp_path / "out"), "--only", ","]) == 2
+    assert "--only ',': name one or more runs" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_killed_run_says_it_was_killed(tmp_path: Path) -> None:
+    """Not 'exit status -9' followed by the last progress line of its log, which reads as the reason."""
+    (tmp_path / "train.log").write_text("update 30 | epoch 3 | loss 5.403\n", encoding="utf-8")
+    status, result, error = compare._outcome(tmp_path, -signal.SIGKILL, False)
+    assert (status, result) == ("failed", None)
+    assert error.startswith("killed by SIGKILL (out of memory?)") and "update 30" not in error
+    assert compare._outcome(tmp_path, -signal.SIGSEGV, False)[2].startswith("killed by SIGSEGV;")
+    assert compare._outcome(tmp_path, 1, False)[2].startswith("exit status 1: update 30")
