@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -61,9 +62,25 @@ def yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
+class _Dumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that also quotes the strings :class:`_Loader` reads as numbers (``1e3``): YAML 1.1 and
+    1.2 readers both read the dump back as it was (``no`` stays quoted too)."""
+
+
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
+def yaml_dump(data: Any) -> str:
+    """Config YAML that :func:`yaml_load` reads back as ``data`` (a run's ``config.yaml``)."""
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+
+
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision
 CUDA_ONLY_PRECISIONS = ("tf32", "fp16")
 EARLY_STOP_METRICS = ("bleu", "loss")  # train.early_stop_metric
+OPTIMIZERS = ("adam", "adamw", "nesterov")  # train.optimizer (nmtflow/train/optim.py)
+LR_SCHEDULERS = ("inverse_sqrt", "constant", "reduce_on_rise")  # train.lr_scheduler
 
 
 class ConfigError(ValueError):
@@ -111,9 +128,9 @@ class DataConfig:
     multilingual: MultilingualConfig | None = None  # many directions at once (src_lang/tgt_lang then unused)
 
     def validate(self, where: str) -> None:
-        if self.max_tokens < 1 or (self.max_sentences is not None and self.max_sentences < 1):
-            raise ConfigError(f"{where}: max_tokens and max_sentences must be >= 1 "
-                              f"(got {self.max_tokens}, {self.max_sentences})")
+        for name in ("max_tokens", "max_sentences"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -167,6 +184,8 @@ class TrainConfig:
         for name in ("max_epochs", "patience", "threads", "valid_bleu_max_sentences"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}: must be >= 1 or null, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**32:  # torch and numpy take no negative seeds
+            raise ConfigError(f"{where}.seed: must be in [0, 2**32), got {self.seed}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ConfigError(f"{where}.max_minutes: must be > 0 or null, got {self.max_minutes}")
         if self.early_stop_metric not in EARLY_STOP_METRICS:
@@ -174,9 +193,21 @@ class TrainConfig:
                               f"got {self.early_stop_metric!r}")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"{where}.label_smoothing: must be in [0, 1), got {self.label_smoothing}")
-        if self.lr <= 0 or self.clip_norm < 0 or self.weight_decay < 0:
-            raise ConfigError(f"{where}: lr must be > 0, clip_norm and weight_decay >= 0 "
-                              f"(got {self.lr}, {self.clip_norm}, {self.weight_decay})")
+        if self.lr <= 0:
+            raise ConfigError(f"{where}.lr: must be > 0, got {self.lr}")
+        for name in ("lr", "clip_norm", "weight_decay", "adam_eps", "warmup_init_lr"):  # .nan and .inf read as numbers
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ConfigError(f"{where}.{name}: must be a finite number >= 0, got {getattr(self, name)}")
+        if not all(0.0 <= beta < 1.0 for beta in self.adam_betas):
+            raise ConfigError(f"{where}.adam_betas: each must be in [0, 1), got {list(self.adam_betas)}")
+        if self.max_minutes is not None and math.isnan(self.max_minutes):
+            raise ConfigError(f"{where}.max_minutes: must be > 0 or null, got {self.max_minutes}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"{where}.optimizer: unknown optimizer {self.optimizer!r} "
+                              f"(known: {', '.join(OPTIMIZERS)})")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise ConfigError(f"{where}.lr_scheduler: unknown schedule {self.lr_scheduler!r} "
+                              f"(known: {', '.join(LR_SCHEDULERS)})")
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?|mps", self.device):
             raise ConfigError(f"{where}.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
 
@@ -354,15 +385,31 @@ def _record_origins(data: dict[str, Any], source: str, origins: dict[tuple[str, 
             _record_origins(value, source, origins, prefix + (str(key),))
 
 
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"  # the shipped presets (a source checkout's configs/)
+
+
+def preset_path(name: str) -> Path | None:
+    """The shipped preset ``configs/NAME.yaml`` for a bare ``name`` (``transformer-small``), if there is one."""
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        return None
+    path = PRESETS_DIR / (name if name.endswith((".yaml", ".yml")) else f"{name}.yaml")
+    return path if path.is_file() else None
+
+
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = (),
               origins: dict[tuple[str, ...], str] | None = None) -> dict[str, Any]:
-    """Read a config file, following ``base:`` chains (relative to the including file).
+    """Read a config file, following ``base:`` chains (relative to the including file). A path that is no file
+    but a bare preset name (``transformer-small``) reads the shipped preset ``configs/NAME.yaml``.
 
     ``origins``, if given, receives the file each key path comes from (a child's keys replace its base's).
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
+        preset = preset_path(str(path))
+        if preset is None:
+            hint = f" (nor a preset of {PRESETS_DIR.name}/, e.g. transformer-small)" if PRESETS_DIR.is_dir() else ""
+            raise ConfigError(f"{path}: config file not found{hint}")
+        path = preset
     if path.resolve() in _seen:
         raise ConfigError(f"{path}: circular 'base:' chain")
     try:
@@ -376,11 +423,15 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = (),
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     base = data.pop("base", None)
+    if base is not None and not (isinstance(base, str) and base.strip()):
+        raise ConfigError(f"{path}: base: expected the path of another config file, got {base!r}")
     own = data  # this file's keys (merging builds new dicts: own stays as read)
     if base is not None:
         base_path = Path(base)
         if not base_path.is_absolute():
             base_path = path.parent / base_path
+        if not base_path.is_file() and (preset := preset_path(base)) is not None:  # base: transformer-small
+            base_path = preset
         data = _deep_merge(read_yaml(base_path, _seen + (path.resolve(),), origins), own)
     if origins is not None:  # after the base's: this file's keys override its origins
         _record_origins(own, str(path), origins)
@@ -430,12 +481,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     unknown = [k for k in raw if k not in hints]
     if unknown:
         source = origins.get((str(unknown[0]),), where)
+        if unknown[0] == "base":  # read_yaml takes a file's own; this one is an override's
+            raise ConfigError(f"{source}: 'base' can only be given in a config file")
         raise ConfigError(f"{source}: unknown key {unknown[0]!r} (known: base, {', '.join(hints)})")
     token = _ORIGINS.set((where, origins))
     try:
         return Config(**{k: from_dict(tp, raw.get(k), f"{where}: {k}") for k, tp in hints.items()})
+    except ConfigError as exc:
+        raise ConfigError(_name_origin(str(exc), where, origins)) from None
     finally:
         _ORIGINS.reset(token)
+
+
+def _name_origin(message: str, where: str, origins: dict[tuple[str, ...], str]) -> str:
+    """``message`` (``WHERE: a.b.c: problem``) naming the base file or override that set ``a.b.c`` instead of WHERE."""
+    if not message.startswith(where + ": "):
+        return message  # already names its origin (an unknown key) or no key
+    rest = message[len(where) + 2:]
+    keys = tuple(re.sub(r"\[\d+\]", "", re.split(r"[:\s]", rest, maxsplit=1)[0]).split("."))  # a.b[0]: → (a, b)
+    for n in range(len(keys), 0, -1):
+        source = origins.get(keys[:n])
+        if source is not None:
+            return message if source == where else f"{source}: {rest}"
+    return message
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -121,3 +121,20 @@ def test_unknown_keys_name_the_file_or_override_that_set_them(tmp_path: Path) ->
         load_config(fine, ["model.d_modle=8"])
     with pytest.raises(ConfigError, match=rf"^{fine}: train: unknown key 'bar'"):
         load_config(write(tmp_path, "fine.yaml", "base: transformer.yaml\ntrain: {bar: 1}\n"))
+
+
+def test_a_preset_name_reads_the_shipped_preset(tmp_path, monkeypatch) -> None:
+    """``nmtflow train shortcuts-small`` and ``base: transformer-small`` from any directory, as in experiments."""
+    from nmtflow.config import PRESETS_DIR, to_dict
+
+    monkeypatch.chdir(tmp_path)
+    assert to_dict(load_config("shortcuts-small")) == to_dict(load_config(PRESETS_DIR / "shortcuts-small.yaml"))
+    (tmp_path / "mine.yaml").write_text("base: transformer-small\nmodel: {encoder_layers: 2}\n", encoding="utf-8")
+    mine = load_config("mine.yaml")
+    assert mine.model.encoder_layers == 2 and mine.model.d_model == load_config("transformer-small").model.d_model
+    (tmp_path / "transformer-small.yaml").write_text("model: {name: rnn}\n", encoding="utf-8")
+    assert load_config("transformer-small.yaml").model.name == "rnn"  # a file of that name comes first
+    with pytest.raises(ConfigError, match=r"^transformer-smal: config file not found \(nor a preset of configs/"):
+        load_config("transformer-smal")
+    with pytest.raises(ConfigError, match=r"^sub/transformer-small: config file not found"):
+        load_config("sub/transformer-small")  # a path is a path

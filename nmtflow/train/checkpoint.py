@@ -111,13 +111,25 @@ def remove_interrupted_saves(save_dir: str | Path) -> list[Path]:
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load safely (``weights_only=True``); any failure becomes a one-line CheckpointError naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: a directory, not a checkpoint file")
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint not found")
     try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror or exc})") from None
+    if magic != b"PK\x03\x04":  # torch.save writes a zip archive
+        what = "an empty file" if not magic else "not a PyTorch checkpoint file"
+        raise CheckpointError(f"{path}: not an nmtflow checkpoint ({what})")
+    try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # truncated, corrupted, not a checkpoint at all
+    except Exception as exc:  # truncated, corrupted
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: not a readable nmtflow checkpoint ({reason[:200]})") from None
+        reason = reason.split(". This is an internal miniz error")[0]  # the rest is PyTorch's advice
+        raise CheckpointError(f"{path}: not a readable nmtflow checkpoint, truncated or corrupted "
+                              f"({reason[:200]})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an nmtflow checkpoint (format {FORMAT!r} expected)")
     return ckpt
@@ -141,7 +153,9 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
     first: dict[str, Any] = {}
     for p in paths:
         ckpt = load_checkpoint(p)
-        model = ckpt["model"]
+        model = ckpt.get("model")
+        if not isinstance(model, dict) or not all(isinstance(v, torch.Tensor) for v in model.values()):
+            raise CheckpointError(f"{p}: holds no model parameters to average")
         if not first:
             first = ckpt
         else:

@@ -59,13 +59,30 @@ def setup(device: torch.device) -> DistInfo:
     return info
 
 
+def check_device(name: str) -> torch.device:
+    """``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` | ``mps`` as a device this machine has; else a one-line ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r}: CUDA is not available on this machine (use cpu or auto)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {name!r}: MPS is not available on this machine (use cpu or auto)")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device {name!r}: expected auto, cpu, cuda or cuda:N")
+    return device
+
+
 def device_for(name: str, info: DistInfo) -> torch.device:
     """The device of this rank: ``cuda`` / ``auto`` on a GPU machine become ``cuda:LOCAL_RANK``."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    device = check_device(name)
     if device.type == "cuda" and device.index is None:  # an explicit index: torch.cuda.set_device needs one
-        device = torch.device("cuda", info.local_rank if info.enabled else torch.cuda.current_device())
+        device = check_device(f"cuda:{info.local_rank if info.enabled else torch.cuda.current_device()}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return device

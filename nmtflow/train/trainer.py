@@ -24,7 +24,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from nmtflow.config import CUDA_ONLY_PRECISIONS, Config, ConfigError, to_dict
+from nmtflow.config import CUDA_ONLY_PRECISIONS, Config, ConfigError, to_dict, yaml_dump
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import check_sentence_lengths, open_bitext, tokenizer_path
 from nmtflow.data.prepare import load_meta
@@ -43,9 +43,8 @@ log = logging.getLogger("nmtflow.train")
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """``auto`` → cuda if there is one, else cpu; a device this machine lacks is a one-line ValueError."""
+    return distributed.check_device(name)
 
 
 @dataclass
@@ -85,17 +84,25 @@ class Trainer:
     def __init__(self, config: Config, *, resume: bool = True) -> None:
         self.config = config
         tc = config.train
+        if tc.patience is not None and not tc.validate_every:  # here, not in TrainConfig: old checkpoints still load
+            raise ConfigError(f"train.patience: early stopping counts scheduled validations, but train.validate_every "
+                              "is 0 (never); set validate_every, or patience: null")
         keep_freed_memory()
         if tc.threads:
             torch.set_num_threads(tc.threads)
         self.dist = distributed.env_info()
-        self.device = distributed.device_for(tc.device, self.dist)
+        try:
+            self.device = distributed.device_for(tc.device, self.dist)
+        except ValueError as exc:
+            raise ConfigError(f"train.{exc}") from None
         self.dist = distributed.setup(self.device)  # DDP when launched by torchrun with WORLD_SIZE > 1
         if tc.precision in CUDA_ONLY_PRECISIONS and self.device.type != "cuda":
             raise ConfigError(f"train.precision: {tc.precision} needs a CUDA device (this run is on {self.device}); "
                               "use fp32 or bf16 on CPU")
         use_precision(tc.precision)
         self.save_dir = Path(tc.save_dir)
+        if self.save_dir.exists() and not self.save_dir.is_dir():
+            raise ConfigError(f"{self.save_dir}: the save dir (train.save_dir, --save-dir) is a file, not a directory")
         self.save_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main:  # one training per save dir; released at the end of train() or at exit
             lock_save_dir(self.save_dir)
@@ -116,6 +123,11 @@ class Trainer:
         last = self.save_dir / "checkpoint_last.pt"
         if resume and last.is_file():
             ckpt = load_checkpoint(last, self.device)
+            missing = [key for key in ("optimizer", "scheduler", "rng", "progress") if key not in ckpt]
+            if missing:  # e.g. `nmtflow average ... -o SAVE_DIR/checkpoint_last.pt`
+                raise ConfigError(f"{last}: holds a model but no training state ({', '.join(missing)}), like an "
+                                  "averaged checkpoint; training resumes only from the checkpoint_last.pt it wrote: "
+                                  "start afresh with --restart or another --save-dir")
             self.check_resumable(ckpt, last)
             try:
                 self.load_state(ckpt)
@@ -127,6 +139,11 @@ class Trainer:
                                   "--save-dir") from None
             log.info("resumed from %s at update %d (epoch %d, batch %d)", last, self.progress.update,
                      self.progress.epoch, self.progress.position)
+        elif resume and (earlier := self.earlier_checkpoints()):  # e.g. killed between the first save's files
+            names = ", ".join(path.name for path in earlier)
+            raise ConfigError(f"{self.save_dir}: holds checkpoints of an earlier run ({names}) but no "
+                              "checkpoint_last.pt to resume from; start afresh with --restart (removes them) or use "
+                              "another --save-dir")
         elif self.dist.is_main:
             self.clear_previous_run()
         # DDP all-reduces gradients during backward (hooks); it starts from rank 0's parameters
@@ -137,18 +154,23 @@ class Trainer:
             (self.save_dir / "config.yaml").write_text(_yaml(to_dict(config)), encoding="utf-8")
 
     def clear_previous_run(self) -> None:
-        """A fresh start (``--restart``, or no checkpoint_last.pt) in a used save dir: remove the earlier run's
-        checkpoints, log and TensorBoard events, which would otherwise mix with this run's (checkpoint rotation,
+        """A fresh start (``--restart``, or a save dir without checkpoints): remove the earlier run's checkpoints,
+        log and TensorBoard events, which would otherwise mix with this run's (checkpoint rotation,
         ``nmtflow average --last``, the curves)."""
-        names = [f"checkpoint_{name}.pt" for name in ("best", "last")]
-        old = periodic_checkpoints(self.save_dir) + [self.save_dir / n for n in names if (self.save_dir / n).is_file()]
-        for path in old:
+        last = self.save_dir / "checkpoint_last.pt"
+        old = ([last] if last.is_file() else []) + self.earlier_checkpoints()  # last first: a clearing cut short
+        for path in old:  # leaves nothing that a plain rerun would resume from
             path.unlink()
         if old:
             log.warning("fresh start in %s: removed the earlier run's %s", self.save_dir,
                         ", ".join(path.name for path in old))
         (self.save_dir / "log.jsonl").unlink(missing_ok=True)
         shutil.rmtree(self.save_dir / "tensorboard", ignore_errors=True)
+
+    def earlier_checkpoints(self) -> list[Path]:
+        """The save dir's periodic checkpoints and checkpoint_best.pt (checkpoint_last.pt aside)."""
+        best = self.save_dir / "checkpoint_best.pt"
+        return periodic_checkpoints(self.save_dir) + ([best] if best.is_file() else [])
 
     # ---- set-up (seams for subclasses, e.g. nmtflow.train.multilingual.MultilingualTrainer) ---------
     def setup_data(self) -> None:
@@ -669,6 +691,4 @@ def on_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
 
 
 def _yaml(data: dict[str, Any]) -> str:
-    import yaml
-
-    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+    return yaml_dump(data)  # strings such as 1e3 quoted: `nmtflow train SAVE_DIR/config.yaml` reads them back
