@@ -59,6 +59,14 @@ class Direction:
         return f"{self.src}>{self.tgt}" if "-" in self.src + self.tgt else f"{self.src}-{self.tgt}"
 
 
+def parse_directions(option: str, texts: Sequence[str]) -> list[Direction]:
+    """``data.multilingual.OPTION``'s directions; a malformed one is a ConfigError naming the option."""
+    try:
+        return [Direction.parse(text) for text in texts]
+    except ConfigError as exc:
+        raise ConfigError(f"data.multilingual.{option}: {exc}") from None
+
+
 def plan_directions(prepared: Sequence[str], cfg: MultilingualConfig) -> tuple[list[Direction], list[Direction]]:
     """(training directions, zero-shot directions) from the prepared languages and the multilingual config.
 
@@ -77,9 +85,9 @@ def plan_directions(prepared: Sequence[str], cfg: MultilingualConfig) -> tuple[l
     for lang in cfg.new_langs:
         if lang not in langs:
             langs.append(lang)
-    zero_shot = [Direction.parse(p) for p in cfg.zero_shot]
+    zero_shot = parse_directions("zero_shot", cfg.zero_shot)
     if cfg.pairs:
-        train = [Direction.parse(p) for p in cfg.pairs]
+        train = parse_directions("pairs", cfg.pairs)
     else:
         train = [Direction(s, t) for s, t in itertools.permutations(langs, 2)]
     if cfg.copy_pairs:
@@ -92,7 +100,9 @@ def plan_directions(prepared: Sequence[str], cfg: MultilingualConfig) -> tuple[l
     if cfg.new_langs:
         train = [d for d in train if d.src in cfg.new_langs or d.tgt in cfg.new_langs]
     if not train:
-        raise ConfigError("data.multilingual: no training direction left")
+        hint = (f" (one language: copy_pairs: true trains {langs[0]}-{langs[0]})"
+                if len(langs) == 1 and not cfg.copy_pairs else "")
+        raise ConfigError(f"data.multilingual: no training direction left{hint}")
     return train, list(dict.fromkeys(zero_shot))
 
 
@@ -139,7 +149,8 @@ def open_directions(data_dir: str | Path, split: str, directions: list[Direction
                     max_sentences: dict[str, int] | None = None) -> MultiBitext:
     """Bitexts of ``directions`` in ``split``; ``src_prefixes`` (e.g. ``<2xx>`` tag ids) start each source,
     ``max_sentences`` (keyed ``SRC-TGT``) limits a direction to its first N rows."""
-    limits_by_name = {Direction.parse(k): int(v) for k, v in (max_sentences or {}).items()}
+    limits_by_name = dict(zip(parse_directions("max_sentences", list(max_sentences or {})),
+                              map(int, (max_sentences or {}).values())))
     unknown = [str(d) for d in limits_by_name if d not in directions]
     if unknown:
         raise ConfigError(f"data.multilingual.max_sentences: {', '.join(unknown)} is not a training direction")

@@ -159,8 +159,8 @@ class BridgeConfig(ModelConfig):
                                     max_positions=self.max_positions)
         if self.bridge_heads < 1 or self.bridge_dim < 1:
             raise ConfigError(f"{where}: bridge_heads and bridge_dim must be >= 1")
-        if self.penalty < 0:
-            raise ConfigError(f"{where}.penalty: must be >= 0, got {self.penalty}")
+        if not 0 <= self.penalty < float("inf"):  # NaN fails too
+            raise ConfigError(f"{where}.penalty: must be a finite number >= 0, got {self.penalty}")
         if self.penalty_scale not in ("sentence", "token"):
             raise ConfigError(f"{where}.penalty_scale: expected sentence or token, got {self.penalty_scale!r}")
 
@@ -284,6 +284,9 @@ class LanguageLabelConfig(ModelConfig):
     def validate(self, where: str) -> None:
         if self.backbone.name in ("bridge", "language_label"):
             raise ConfigError(f"{where}.backbone.name: {self.backbone.name!r} is itself multilingual")
+        if self.backbone.name == "lm":  # the <2xx> tag is in the source, which a language model never reads
+            raise ConfigError(f"{where}.backbone.name: 'lm' ignores the source, so it never sees the target-language "
+                              "tag; use an encoder-decoder backbone (rnn, transformer, convs2s, densenmt)")
 
     @property
     def max_positions(self) -> int:

@@ -29,7 +29,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from nmtflow.config import ConfigError
 from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
-from nmtflow.nn.layers import token_embedding
+from nmtflow.nn.layers import masked_softmax, token_embedding
 from nmtflow.registry import register_model
 
 
@@ -132,9 +132,9 @@ class LuongDecoder(nn.Module):
     def attend(self, h: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
         """h (B,T,d_h) → h̃ (B,T,d_h) = tanh(W_c [c; h]) with c the attention context over memory."""
         scores = self.attn_in(h) @ memory.transpose(1, 2)  # (B,T,K)
-        if memory_mask is not None:
-            scores = scores.masked_fill(memory_mask[:, None, :], float("-inf"))
-        context = scores.softmax(-1) @ memory  # (B,T,d_m)
+        # an all-padding memory row: zero weights (no context, as in SDPA), not NaN
+        weights = scores.softmax(-1) if memory_mask is None else masked_softmax(scores, memory_mask[:, None, :])
+        context = weights @ memory  # (B,T,d_m)
         return torch.tanh(self.attn_out(torch.cat([context, h], dim=-1)))
 
     def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor | None = None,

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmtflow.nn.layers import masked_softmax
+
 
 class AttentionBridge(nn.Module):
     """Inner attention H (B,S,d_h) → M (B,k,d_h), A (B,k,S) (Eq. 8–9)."""
@@ -33,11 +35,12 @@ class AttentionBridge(nn.Module):
         nn.init.xavier_uniform_(self.w2.weight)
 
     def forward(self, h: Tensor, padding_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """h (B,S,d_h), padding_mask (B,S) True = pad → M (B,k,d_h), A (B,k,S) with rows summing to 1."""
+        """h (B,S,d_h), padding_mask (B,S) True = pad → M (B,k,d_h), A (B,k,S) with rows summing to 1
+        (all zeros for a sentence that is all padding)."""
         scores = self.w2(F.relu(self.w1(h)))  # (B,S,k) = (W_2 ReLU(W_1 Hᵀ))ᵀ
-        if padding_mask is not None:
-            scores = scores.masked_fill(padding_mask[:, :, None], float("-inf"))
-        attention = scores.softmax(dim=1).transpose(1, 2)  # (B,k,S): softmax over positions
+        # an all-padding row gets A = 0 and M = 0, not NaN
+        attention = scores.softmax(1) if padding_mask is None else masked_softmax(scores, padding_mask[:, :, None], 1)
+        attention = attention.transpose(1, 2)  # (B,k,S): softmax over positions
         return attention @ h, attention  # M = A H: (B,k,d_h)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtflow.nn.conv import State, linear
+from nmtflow.nn.layers import masked_softmax
 
 SQRT_HALF = math.sqrt(0.5)
 
@@ -43,7 +44,7 @@ class MultiStepAttention(nn.Module):
         pad = enc["padding_mask"]  # (B,S)
         d = (self.in_proj(z) + g) * SQRT_HALF  # (B,T,d0)
         scores = d @ enc["out"].transpose(1, 2)  # (B,T,S)
-        weights = scores.masked_fill(pad.unsqueeze(1), float("-inf")).softmax(-1)
+        weights = masked_softmax(scores, pad.unsqueeze(1))
         lengths = (~pad).sum(1).clamp(min=1).to(z.dtype)  # (B,)
         c = (weights @ enc["values"]) * lengths.sqrt()[:, None, None]  # (B,T,d0)
         return self.out_proj(c)
@@ -95,5 +96,5 @@ class DenseAttention(nn.Module):
             k, v = state[self.name + ".static_k"], state[self.name + ".static_v"]
         q = self.q_proj(z).unsqueeze(1)  # (B,1,T,dim)
         scores = q @ k.transpose(-1, -2)  # (B,n,T,S)
-        scores = scores.masked_fill(enc["padding_mask"][:, None, None, :], float("-inf"))
-        return (scores.softmax(-1) @ v).sum(1)  # Σ_i F(·) over the n attention heads: (B,T,dim)
+        weights = masked_softmax(scores, enc["padding_mask"][:, None, None, :])
+        return (weights @ v).sum(1)  # Σ_i F(·) over the n attention heads: (B,T,dim)

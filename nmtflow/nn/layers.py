@@ -1,4 +1,4 @@
-"""Shared layers: sinusoidal positions, position-wise feed-forward, embeddings."""
+"""Shared layers: sinusoidal positions, position-wise feed-forward, embeddings, the masked softmax."""
 from __future__ import annotations
 
 import math
@@ -8,6 +8,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtflow.data.vocab import PAD
+
+
+def masked_softmax(scores: Tensor, pad: Tensor, dim: int = -1) -> Tensor:
+    """softmax along ``dim`` with ``pad`` (True, broadcast to ``scores``) positions at weight 0. A row with nothing
+    but padding (an all-padding source) gets all-zero weights, i.e. no context, as in SDPA, not NaN; other rows
+    are exactly what filling with −inf gives."""
+    return scores.masked_fill(pad, torch.finfo(scores.dtype).min).softmax(dim).masked_fill(pad, 0.0)
 
 
 class SinusoidalPositions(nn.Module):

@@ -9,7 +9,8 @@ seams filled in for ``data.multilingual``:
   model gets the ``<2TGT>`` tag before every source;
 * ``model_for(batch)`` = ``model.pair(batch.src_lang, batch.tgt_lang)``: the training step is unchanged;
 * validation: loss and BLEU per direction (logged as ``valid_directions``); model selection uses the mean
-  over the supervised directions, zero-shot ones are only reported;
+  over the supervised directions (the copy directions A→A only if every training direction is one), zero-shot
+  ones are only reported;
 * adding a language (``init_checkpoint`` + ``new_langs``): the trained model is loaded and everything but
   the new languages' encoders and decoders is frozen — the bridge included.
 
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from nmtflow.config import ConfigError
+from nmtflow.config import ConfigError, to_dict
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import check_sentence_lengths, tokenizer_path
 from nmtflow.data.multilingual import (Direction, LanguageRotatingSampler, MultiBitext, open_directions,
@@ -103,7 +105,8 @@ class MultilingualTrainer(Trainer):
         self.prefixes = {d: tags[d.tgt] for d in [*self.directions, *self.zero_shot]} if tags else {}
 
         self.train_data = open_directions(dc.path, dc.train_split, self.directions, self.prefixes, mc.max_sentences)
-        valid = [d for d in self.directions if not d.is_copy] + self.zero_shot
+        # copy directions are validated only when there is nothing else to select the model on
+        valid = ([d for d in self.directions if not d.is_copy] or list(self.directions)) + self.zero_shot
         self.valid_data = open_directions(dc.path, dc.valid_split, valid, self.prefixes) \
             if dc.valid_split and valid else None
         samplers = [TokenBatchSampler(*self.train_data.sizes(i), dc.max_tokens, shuffle=True, seed=tc.seed + 1000 * i,
@@ -135,19 +138,25 @@ class MultilingualTrainer(Trainer):
         src_limit, tgt_limit = position_limits(self.model.config)
         dc = self.config.data
         tag = int(self.uses_tags)
-        seen: set[tuple[str, str, int]] = set()
+        seen: set[tuple[str, str, int, int]] = set()  # max_sentences may give a language's directions other rows
         splits = [(dc.train_split, self.train_data)] + ([(dc.valid_split, self.valid_data)] if self.valid_data else [])
         for split, multi in splits:
             for i, d in enumerate(multi.directions):
                 src_sizes, tgt_sizes = multi.sizes(i)
                 sides = ((d.src, src_sizes, 1 + tag, src_limit), (d.tgt, tgt_sizes, 1, tgt_limit))
                 for lang, sizes, extra, limit in sides:
-                    if (split, lang, extra) in seen:
+                    if (split, lang, extra, len(sizes)) in seen:
                         continue
-                    seen.add((split, lang, extra))
+                    seen.add((split, lang, extra, len(sizes)))
                     counted = "with EOS" + (f" and the {lang_tag(d.tgt)} tag" if extra > 1 else "")
-                    check_sentence_lengths(dc.path, split, lang, sizes, extra, limit, cleaned=split == dc.train_split,
-                                           counted=counted)
+                    try:
+                        check_sentence_lengths(dc.path, split, lang, sizes, extra, limit,
+                                               cleaned=split == dc.train_split, counted=counted)
+                    except ConfigError as exc:  # a language-label model's positions are its backbone's
+                        if not hasattr(self.model.config, "backbone"):
+                            raise
+                        raise ConfigError(str(exc).replace("model.max_positions", "model.backbone.max_positions")) \
+                            from None
 
     # ---- model -------------------------------------------------------------------------------------
     def create_model(self) -> EncoderDecoder:
@@ -191,6 +200,24 @@ class MultilingualTrainer(Trainer):
         ckpt["tokenizers"] = tokenizer_tensors(self.tokenizers)
         ckpt["multilingual"] = True
         return ckpt
+
+    def check_resumable(self, ckpt: dict[str, Any], path: Path) -> None:
+        """The run's directions, then the base checks: ``langs`` and ``pairs`` default to every prepared language,
+        so data prepared again with other languages changes the directions under an unchanged config."""
+        langs = ckpt.get("langs") or {}
+        saved_config = ((ckpt.get("config") or {}).get("data") or {}).get("multilingual")
+        if "directions" in langs and saved_config == to_dict(self.config.data.multilingual):
+            saved = [*langs["directions"], *(f"{d} (zero-shot)" for d in langs.get("zero_shot", []))]
+            mine = [*self.all_directions(), *(f"{d} (zero-shot)" for d in self.zero_shot)]
+            changes = [f"{verb} {', '.join(ds[:4])}{' …' if len(ds) > 4 else ''}" for verb, ds in
+                       (("adds", [d for d in mine if d not in saved]), ("drops", [d for d in saved if d not in mine]))
+                       if ds]
+            if changes:
+                raise ConfigError(f"{path}: {self.config.data.path} {' and '.join(changes)} (the languages prepared "
+                                  "there are not the run's: data.multilingual.langs and pairs default to all of them); "
+                                  "give the data directory the run was trained on, or start afresh with --restart or "
+                                  "another --save-dir")
+        super().check_resumable(ckpt, path)
 
     def all_directions(self) -> list[str]:
         """This run's training directions after those the model was trained on before (``init_checkpoint``: a
