@@ -31,23 +31,43 @@ def cmd_corpus(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
+def _named_prefixes(values: list[str], option: str, taken: dict[str, str]) -> dict[str, str]:
+    """``NAME=PREFIX`` arguments → {name: prefix}; a name twice, or one in ``taken`` (name → its option), is an error."""
+    named: dict[str, str] = {}
+    for extra in values:
+        name, eq, prefix = extra.partition("=")
+        if not (eq and name and prefix):
+            raise ValueError(f"{option} {extra!r}: expected NAME=PREFIX, e.g. {option} test2=corpus/newstest2014")
+        if name in taken or name in named:
+            where = taken.get(name, f"another {option}")
+            raise ValueError(f"{option} {extra!r}: the {name} split is already given ({where})")
+        named[name] = prefix
+    return named
+
+
 @command
 def cmd_prepare(args: argparse.Namespace) -> None:
     from nmtflow.data.corpus import CleanConfig
-    from nmtflow.data.prepare import prepare
+    from nmtflow.data.prepare import add_splits, prepare
 
+    if args.add:
+        given = [f"--{o.replace('_', '-')}" for o in ("train", "valid", "test", "split", "langs") if getattr(args, o)]
+        if given:
+            raise ValueError(f"--add binarizes further splits with the tokenizers of --out; {', '.join(given)} "
+                             "belong to a new preparation (leave them out)")
+        meta = add_splits(args.out, _named_prefixes(args.add, "--add", {}))
+        for split in dict.fromkeys(extra.partition("=")[0] for extra in args.add):
+            print(f"{split}: {meta['splits'][split]['rows']} rows")
+        print(f"added to {args.out} (tokenizers and the other splits unchanged)")
+        return
+    if not (args.train and args.langs):
+        raise ValueError("--train and --langs are required (or --add NAME=PREFIX to add splits to --out)")
     splits = {"train": args.train}
     if args.valid:
         splits["valid"] = args.valid
     if args.test:
         splits["test"] = args.test
-    for extra in args.split or []:
-        name, eq, prefix = extra.partition("=")
-        if not (eq and name and prefix):
-            raise ValueError(f"--split {extra!r}: expected NAME=PREFIX, e.g. --split test2=corpus/newstest2014")
-        if name in splits:
-            raise ValueError(f"--split {extra!r}: the {name} split is already given (--{name} or another --split)")
-        splits[name] = prefix
+    splits.update(_named_prefixes(args.split or [], "--split", {name: f"--{name}" for name in splits}))
     meta = prepare(splits, args.langs, Path(args.out), vocab_size=args.vocab_size, joint=not args.separate_vocab,
                    clean=CleanConfig(max_len=args.max_len, max_ratio=args.max_ratio), lang_tags=args.lang_tags,
                    workers=args.workers)
@@ -102,6 +122,8 @@ def _translator(args: argparse.Namespace):
     from nmtflow.decode.ensemble import open_translators
     from nmtflow.train.trainer import resolve_device
 
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads {args.threads}: must be >= 1")
     translator = open_translators(args.checkpoint, resolve_device(args.device), args.src_lang, args.tgt_lang)
     d = translator.decode
     for field, value in (("beam_size", args.beam), ("nbest", args.nbest), ("len_penalty", args.lenpen),
@@ -157,9 +179,11 @@ def _progress_bar(translator: Any, total: int | None, *, to_stdout: bool) -> Ite
 
 @command
 def cmd_translate(args: argparse.Namespace) -> int | None:
-    from nmtflow.decode.translate import output_file
+    from nmtflow.decode.translate import check_search, output_file
 
+    args.input, args.output = (None if path == "-" else path for path in (args.input, args.output))  # stdin, stdout
     translator = _translator(args)
+    check_search(translator.decode)  # before any input is read: an interactive session fails at once
     interactive = args.input is None and sys.stdin.isatty()
     total = None
     if args.input is not None:  # read (and check) the whole input before any output is written
@@ -202,22 +226,28 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         return _evaluate_perplexity(args)
     if not args.ref:
         raise ValueError("evaluate needs --ref FILE (or --perplexity CKPT --data DIR)")
+    if args.hyp and (args.checkpoint or args.src or args.output):  # else one of the two would be silently ignored
+        raise ValueError("--hyp scores a file of translations; CHECKPOINT, --src and -o translate --src instead: "
+                         "give one or the other")
+    if not (args.hyp or (args.checkpoint and args.src)):
+        raise ValueError("evaluate needs --hyp FILE, or a CHECKPOINT with --src FILE")
     refs = _read_lines(args.ref)
+    lines = _read_lines(args.hyp or args.src)
+    if len(lines) != len(refs):  # before any translation
+        raise ValueError(f"{args.hyp or args.src} has {len(lines)} lines but {args.ref} has {len(refs)}")
+    if not refs:
+        raise ValueError(f"{args.ref} is empty: no sentences to score")
     if args.hyp:
-        hyps = _read_lines(args.hyp)
-    elif args.checkpoint and args.src:
+        hyps = lines
+    else:
         from nmtflow.decode.translate import output_file
 
-        translator, sources = _translator(args), _read_lines(args.src)
-        with _progress_bar(translator, len(sources), to_stdout=False):
-            hyps = [nb[0][0] for nb in translator.translate(sources, name=args.src)]
+        translator = _translator(args)
+        with _progress_bar(translator, len(lines), to_stdout=False):
+            hyps = [nb[0][0] for nb in translator.translate(lines, name=args.src)]
         if args.output:
             with output_file(args.output) as out:
                 out.write("".join(h + "\n" for h in hyps))
-    else:
-        raise ValueError("evaluate needs --hyp FILE, or a CHECKPOINT with --src FILE")
-    if len(hyps) != len(refs):
-        raise ValueError(f"{args.hyp or args.src} has {len(hyps)} lines but {args.ref} has {len(refs)}")
     scores = [bleu(hyps, refs), chrf(hyps, refs)]
     if args.json:
         print(json.dumps({s.name: {"score": round(s.score, 2), "signature": s.signature} for s in scores}))
@@ -243,20 +273,22 @@ def _evaluate_perplexity(args: argparse.Namespace) -> None:
 
 @command
 def cmd_score(args: argparse.Namespace) -> None:
-    translator = _translator(args)
+    if args.candidates and (args.src or args.tgt):  # else --src/--tgt would be silently ignored
+        raise ValueError("--candidates scores its own sources and translations; leave out --src and --tgt "
+                         "(or --candidates)")
     if args.candidates:
         from nmtflow.decode.contrastive import contrastive_accuracy
 
-        result = contrastive_accuracy(translator, args.candidates)
+        result = contrastive_accuracy(_translator(args), args.candidates)
         print(json.dumps(result) if args.json else
               f"contrastive accuracy {result['accuracy']:.4f} ({result['correct']}/{result['total']})")
         return
     if not (args.src and args.tgt):
         raise ValueError("score needs --src FILE --tgt FILE, or --candidates FILE")
-    src, tgt = _read_lines(args.src), _read_lines(args.tgt)
+    src, tgt = _read_lines(args.src), _read_lines(args.tgt)  # (checked before the model is loaded)
     if len(src) != len(tgt):
         raise ValueError(f"{args.src} has {len(src)} lines but {args.tgt} has {len(tgt)}")
-    scores = translator.score(src, tgt, files=(args.src, args.tgt))
+    scores = _translator(args).score(src, tgt, files=(args.src, args.tgt))
     if args.json:  # one JSON list: log P(target | source) of each line, in order
         print(json.dumps(scores))
         return
@@ -284,6 +316,12 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 @command
 def cmd_analyze(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out}: a file, not a directory (every analysis writes a directory of files)")
+    for parent in out.parents:  # a file on the way makes mkdir fail with a bare errno
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"--out {args.out}: {parent} is a file, not a directory")
     if args.analysis == "attention":
         return _analyze_attention(args)
     if args.analysis in ("length-bleu", "bridge-attention", "bridge-entropy"):
@@ -354,6 +392,11 @@ def _embedder(args: argparse.Namespace):
         raise CheckpointError(f"{args.checkpoint}: a bilingual checkpoint; sentence embeddings need a multilingual "
                               "(bridge or language-label) checkpoint")
     ckpt = load_multilingual(args.checkpoint, resolve_device(args.device), ckpt=saved)
+    for option in ("lang", "test_lang", "lang2"):  # checked before any file is read or embedded
+        lang = getattr(args, option, None)
+        if lang is not None and lang not in ckpt.tokenizers:
+            raise ValueError(f"--{option.replace('_', '-')} {lang}: {args.checkpoint} has no language {lang!r} "
+                             f"(its languages: {', '.join(ckpt.tokenizers)})")
 
     def embed(lines: list[str], lang: str, **where: Any) -> Any:
         return sentence_embeddings(ckpt, lang, lines, pooling=args.pooling, max_tokens=args.batch_tokens, **where)
@@ -415,8 +458,12 @@ def _decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", nargs="*" if p.prog.endswith("evaluate") else "+",
                    help="a checkpoint (.pt); several: an ensemble (their probabilities averaged)")
     p.add_argument("--beam", type=int, help="beam size (default: the config's, 5)")
-    p.add_argument("--nbest", type=int, help="hypotheses per input (printed as INDEX<TAB>SCORE<TAB>TEXT)")
-    p.add_argument("--greedy", action="store_true", help="greedy search")
+    p.add_argument("--nbest", type=int,
+                   help="hypotheses per input, at most --beam, best first; above 1 printed as INDEX<TAB>SCORE<TAB>TEXT "
+                        "(INDEX: 0-based input line; SCORE: length-normalised log-probability); exactly NBEST lines per "
+                        "input (distinct piece sequences, which may detokenise alike) unless fewer fit its length "
+                        "limit (a vocabulary of a few pieces); an empty input gets one, the empty translation, score 0")
+    p.add_argument("--greedy", action="store_true", help="greedy search (one hypothesis: no --nbest above 1)")
     p.add_argument("--lenpen", type=float, help="GNMT length penalty alpha")
     p.add_argument("--max-len-a", type=float, help="output length limit a·|x| + b: a")
     p.add_argument("--max-len-b", type=int, help="output length limit a·|x| + b: b")
@@ -454,11 +501,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
 
     p = sub.add_parser("prepare", help="validate, clean, learn SentencePiece, binarize a parallel corpus")
-    p.add_argument("--train", required=True, metavar="PREFIX", help="training files PREFIX.LANG")
+    p.add_argument("--train", metavar="PREFIX", help="training files PREFIX.LANG (required unless --add)")
     p.add_argument("--valid", metavar="PREFIX")
     p.add_argument("--test", metavar="PREFIX")
     p.add_argument("--split", action="append", metavar="NAME=PREFIX", help="further splits")
-    p.add_argument("--langs", nargs="+", required=True)
+    p.add_argument("--add", action="append", default=[], metavar="NAME=PREFIX",
+                   help="binarize further splits (a new test set) into an existing --out with its tokenizers; "
+                        "nothing else changes, so models trained on it can use the new split")
+    p.add_argument("--langs", nargs="+", help="languages (required unless --add)")
     p.add_argument("--out", required=True)
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--separate-vocab", action="store_true", help="one SentencePiece model per language")
@@ -484,8 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("translate", help="translate a file or stdin")
     _decode_options(p)
-    p.add_argument("-i", "--input", help="input file (default: stdin, line by line)")
-    p.add_argument("-o", "--output", help="output file (default: stdout)")
+    p.add_argument("-i", "--input", help="input file (default or -: stdin, line by line)")
+    p.add_argument("-o", "--output", help="output file (default or -: stdout)")
     p.add_argument("--unbuffered", action="store_true", help="translate and flush each stdin line at once")
 
     p = sub.add_parser("evaluate", help="sacreBLEU BLEU and chrF (of a file, or of a checkpoint's translations)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import stat
 import sys
@@ -115,6 +116,21 @@ def source_positions(model: EncoderDecoder) -> int | None:
     return position_limits(model.config)[0]
 
 
+def check_search(d: DecodeConfig) -> None:
+    """A ValueError naming the option for search settings that cannot give what they ask for: an n-best list holds
+    at most ``beam_size`` hypotheses, and greedy search finds one."""
+    for name, flag, value in (("beam_size", "--beam", d.beam_size), ("nbest", "--nbest", d.nbest),
+                              ("max_tokens", "--batch-tokens", d.max_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} (decode.{name}): must be >= 1")
+    if d.nbest > 1 and d.greedy:
+        raise ValueError(f"--nbest {d.nbest} (decode.nbest) with --greedy (decode.greedy): greedy search finds one "
+                         f"translation; an n-best list needs beam search with --beam >= {d.nbest}")
+    if d.nbest > d.beam_size:
+        raise ValueError(f"--nbest {d.nbest} (decode.nbest) is more than --beam {d.beam_size} (decode.beam_size): "
+                         f"beam search keeps at most beam-size hypotheses; give --beam {d.nbest} or more")
+
+
 @dataclass
 class Translator:
     """A model with its tokenizers and search settings."""
@@ -180,7 +196,10 @@ class Translator:
         return ids
 
     def search(self, src: torch.Tensor) -> list[list[Hypothesis]]:
+        """src (B,S) → each sentence's ``decode.nbest`` hypotheses, best first: exactly that many wherever that many
+        distinct outputs fit its length limit (fewer only where they do not, e.g. a vocabulary of a few pieces)."""
         d = self.decode
+        check_search(d)
         if d.greedy or (d.beam_size == 1 and d.nbest == 1):
             return [[h] for h in greedy_search(self.model, src, max_len_a=d.max_len_a, max_len_b=d.max_len_b,
                                                len_penalty=d.len_penalty)]
@@ -189,7 +208,9 @@ class Translator:
 
     @torch.no_grad()
     def translate_ids(self, sources: list[list[int]]) -> list[list[Hypothesis]]:
-        """Id sequences (no EOS) → n-best hypotheses, in input order; empty inputs give empty outputs."""
+        """Id sequences (no EOS) → n-best hypotheses, in input order, at least one each: an empty input gets the empty
+        output (score 0), and so does an input the model scores NaN (diverged, or overflowing), with score NaN."""
+        check_search(self.decode)  # before any work, even where every input is empty
         results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in sources]
         nonempty = [i for i, s in enumerate(sources) if s]
         lengths = [len(sources[i]) for i in nonempty]
@@ -199,7 +220,7 @@ class Translator:
             rows = [nonempty[b] for b in batch]
             src = collate([sources[r] for r in rows], [[]] * len(rows), src_prefix=self.src_prefix).src
             for r, hyps in zip(rows, self.search(src.to(self.device))):
-                results[r] = hyps
+                results[r] = hyps or [Hypothesis([], math.nan, math.nan)]  # beam search keeps no NaN-scored one
             if self.progress:
                 self.progress(len(rows))
         return results
@@ -207,8 +228,13 @@ class Translator:
     def translate(self, lines: list[str], *, first_line: int = 1,
                   name: str | None = None) -> list[list[tuple[str, float]]]:
         """Sentences → n-best (detokenised text, score) lists, in input order (``first_line``, ``name``: where
-        ``lines`` come from, for truncation warnings)."""
+        ``lines`` come from, for truncation warnings and the ValueError for a line the model scores NaN)."""
         hyps = self.translate_ids(self.encode_source(lines, first_line=first_line, name=name))
+        for n, nbest in enumerate(hyps):
+            if math.isnan(nbest[0].logprob):
+                line = first_line + n
+                raise ValueError(f"{f'{name}:{line}: ' if name else ''}input line {line}: the model's scores are NaN, "
+                                 "no translation (a diverged checkpoint, or one overflowing at this precision?)")
         return [[(self.tgt_tokenizer.decode(h.tokens), h.score) for h in nbest] for nbest in hyps]
 
     def translate_stream(self, lines: Iterable[str], chunk: int = 1000, *,

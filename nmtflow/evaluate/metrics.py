@@ -32,5 +32,8 @@ def chrf(hypotheses: list[str], references: list[str]) -> Score:
 
 
 def perplexity(nll_sum: float, tokens: int) -> float:
-    """exp(Σ NLL / N) with natural-log NLL."""
-    return math.exp(nll_sum / max(tokens, 1))
+    """exp(Σ NLL / N) with natural-log NLL; inf where that overflows a float (a diverged model), not an error."""
+    try:
+        return math.exp(nll_sum / max(tokens, 1))
+    except OverflowError:
+        return math.inf

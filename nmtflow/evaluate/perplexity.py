@@ -56,6 +56,8 @@ def checkpoint_perplexity(checkpoint: str | Path | list[str | Path], data_dir: s
     """
     from nmtflow.decode.ensemble import open_translators
 
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"--batch-tokens {max_tokens}: must be >= 1")
     paths = checkpoint if isinstance(checkpoint, list) else [checkpoint]
     translator = open_translators(paths, device, src_lang, tgt_lang)
     direction = translator_direction(translator)
@@ -63,7 +65,7 @@ def checkpoint_perplexity(checkpoint: str | Path | list[str | Path], data_dir: s
     check_positions(translator, data, data_dir, split)
     cfg = translator.config
     assert cfg is not None
-    result = corpus_perplexity(translator.model, data, max_tokens or cfg.data.max_tokens)
+    result = corpus_perplexity(translator.model, data, cfg.data.max_tokens if max_tokens is None else max_tokens)
     return {"split": split, "direction": "-".join(direction), **asdict(result)}
 
 
