@@ -45,7 +45,8 @@ class Registry:
     def get(self, name: str) -> Entry:
         _load_builtins()
         if not isinstance(name, str) or name not in self._entries:
-            raise KeyError(f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._entries))}")
+            raise KeyError(f"unknown {self.kind} {name!r}; registered: {', '.join(sorted(self._entries))} "
+                           f"(one of your own is registered by its module: nmtflow --plugin MODULE ...)")
         return self._entries[name]
 
     def names(self) -> list[str]:

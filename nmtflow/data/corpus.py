@@ -171,13 +171,28 @@ def iter_parallel(
         _raise_mismatch(paths)
 
 
+def _bare_carriage_returns(path: Path, block_size: int = 1 << 20) -> int:
+    """Carriage returns not followed by a line feed: line ends of a file written with classic-Mac CR endings."""
+    n, after_cr = 0, False
+    with open(path, "rb") as fh:
+        while block := fh.read(block_size):
+            if after_cr and block.startswith(b"\n"):  # the previous block's last CR began a CRLF
+                n -= 1
+            n += block.count(b"\r") - block.count(b"\r\n")
+            after_cr = block.endswith(b"\r")
+    return n
+
+
 def _raise_mismatch(paths: list[Path]) -> None:
     counts = [count_lines(p) for p in paths]
     short = int(np.argmin(counts))
     long = int(np.argmax(counts))
+    cr = _bare_carriage_returns(paths[short])
+    hint = (f"; it has {cr} carriage returns not followed by a line feed: lines ended by CR alone (classic Mac)? "
+            f"convert them with tr '\\r' '\\n'" if cr else "")
     raise CorpusError(
         paths[short],
-        f"has {counts[short]} lines but {paths[long]} has {counts[long]} lines (files must be line-aligned)",
+        f"has {counts[short]} lines but {paths[long]} has {counts[long]} lines (files must be line-aligned){hint}",
     ) from None
 
 

@@ -170,6 +170,7 @@ def prepare(
         raise
     # the checks and the tokenizer training passed: from here on the directory is incomplete until meta.json is
     # rewritten (a prepared directory survives a failed check of new input or a failed tokenizer training)
+    stale = _prepared_files(out_dir)  # an earlier preparation's files: removed below unless rewritten
     (out_dir / META_FILE).unlink(missing_ok=True)
     for name in sources:
         for ext in (".model", ".vocab"):
@@ -213,6 +214,80 @@ def prepare(
         "source_files": {split: {lang: str(p.resolve()) for lang, p in zip(langs, paths)}
                          for split, paths in files.items()},
     }
+    _write_json_atomic(out_dir / META_FILE, meta)
+    for name in sorted(stale - _prepared_files(out_dir)):  # splits, languages, tokenizers no longer prepared
+        (out_dir / name).unlink(missing_ok=True)
+    return meta
+
+
+def _prepared_files(out_dir: Path) -> set[str]:
+    """Names of the files that ``out_dir/meta.json`` lists (binaries of each split and language, tokenizers);
+    empty when there is no readable meta.json."""
+    try:
+        meta = load_meta(out_dir)
+    except ValueError:
+        return set()
+    names = {f"{split}.{lang}.{ext}" for split in meta["splits"] for lang in meta["langs"] for ext in ("bin", "idx")}
+    for model in set(meta["tokenizers"].values()):
+        names |= {model, model.removesuffix(".model") + ".vocab"}
+    return names
+
+
+def add_splits(out_dir: str | Path, data_prefixes: Mapping[str, str | Path], *, train_split: str = "train",
+               progress: bool = True) -> dict:
+    """Binarize further splits (e.g. a new test set) into a prepared directory with its own tokenizers; return
+    the updated ``meta.json`` dict.
+
+    Nothing else changes: the tokenizers, the training split and the other splits stay as they are, so models
+    trained on the directory can score the new split. A split of the same name is replaced (not the training
+    split). Every file is checked first (UTF-8, equal line counts, no empty lines), errors naming the file
+    and line; the new binaries are written under temporary names and moved into place only when all are
+    complete, and ``meta.json`` last.
+    """
+    out_dir = Path(out_dir)
+    meta = load_meta(out_dir)
+    langs = list(meta["langs"])
+    if not data_prefixes:
+        raise ValueError("add_splits needs at least one split (NAME=PREFIX)")
+    for split in data_prefixes:
+        _check_name("split", split)
+        if split == train_split:
+            raise ValueError(f"{out_dir}: the {train_split!r} split cannot be replaced (its tokenizers were learned "
+                             "on it); prepare the corpus again instead")
+    files = {split: [Path(f"{prefix}.{lang}") for lang in langs] for split, prefix in data_prefixes.items()}
+    disable = None if progress else True
+    lines: dict[str, int] = {}
+    for split, paths in files.items():  # check everything before anything is written
+        n = 0
+        for n, _ in iter_parallel(paths, allow_empty=False):
+            pass
+        if n == 0:
+            raise CorpusError(paths[0], f"the {split} split is empty")
+        lines[split] = n
+    toks = {lang: load_tokenizer(out_dir, lang, meta) for lang in langs}
+    staged: dict[str, str] = {}
+    splits_meta: dict[str, dict[str, int]] = {}
+    try:
+        for split, paths in files.items():
+            staged[split] = temporary = f"{split}~new{os.getpid()}"
+            chunks = ([toks[lang].encode_batch(list(col)) for lang, col in zip(langs, zip(*map(itemgetter(1), c)))]
+                      for c in _chunks(iter_parallel(paths, allow_empty=False), 10_000))
+            splits_meta[split] = _binarize_split(temporary, paths, langs, toks, out_dir, chunks, is_train=False,
+                                                 clean=CleanConfig(), total=lines[split], disable=disable)
+    except BaseException:
+        for temporary in staged.values():
+            for lang in langs:
+                for ext in (".bin", ".idx"):
+                    Path(f"{split_prefix(out_dir, temporary, lang)}{ext}").unlink(missing_ok=True)
+        raise
+    for split, temporary in staged.items():
+        for lang in langs:
+            for ext in (".bin", ".idx"):
+                os.replace(f"{split_prefix(out_dir, temporary, lang)}{ext}", f"{split_prefix(out_dir, split, lang)}{ext}")
+    meta["splits"] = {**meta["splits"], **splits_meta}
+    sources = meta.get("source_files", {})
+    meta["source_files"] = {**sources, **{split: {lang: str(p.resolve()) for lang, p in zip(langs, paths)}
+                                          for split, paths in files.items()}}
     _write_json_atomic(out_dir / META_FILE, meta)
     return meta
 
@@ -305,4 +380,4 @@ def load_split(out_dir: str | Path, split: str, lang: str, meta: dict | None = N
     return IndexedDataset(split_prefix(out_dir, split, lang))
 
 
-__all__ = ["prepare", "load_meta", "load_tokenizer", "load_split", "split_prefix", "META_FILE"]
+__all__ = ["prepare", "add_splits", "load_meta", "load_tokenizer", "load_split", "split_prefix", "META_FILE"]

@@ -757,7 +757,8 @@ def generate_corpus(out_dir: str | Path, langs: Sequence[str] = DEFAULT_LANGS, n
         if len(rows) == total:
             break
         if tries > 50 * total + 1000:
-            raise RuntimeError(f"could not draw {total} distinct sentences")
+            raise ValueError(f"the built-in corpus could not draw {total:,} distinct sentences (found {len(rows):,} "
+                             f"in {tries:,} draws): ask for fewer with --train/--valid/--test")
         if any(s in seen[i] for i, s in enumerate(t)):  # a sentence seen in any language is a duplicate
             continue
         for i, s in enumerate(t):

@@ -155,3 +155,36 @@ def test_similarity_matches_a_direct_computation(runs: dict[str, Any], tmp_path:
     keep = b.src.ne(PAD)
     assert reported["encoder"][1] == pytest.approx(float(F.cosine_similarity(e[keep], layer[keep], dim=-1).mean()),
                                                    abs=1e-6)
+
+
+@pytest.mark.parametrize("where", ["out", "out/inside"])
+def test_analyze_out_onto_a_file_is_a_named_error(where: str, runs: dict[str, Any], tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``[Errno 17] File exists`` (or ``[Errno 20] Not a directory``) after the models had loaded."""
+    (tmp_path / "out").write_text("a file\n")
+    target = str(tmp_path / where)
+    code = main(["analyze", "similarity", runs["transformer"], "--data", runs["data"], "--split", "valid",
+                 "--out", target, "--device", "cpu"])
+    assert code == 2
+    err = one_line_error(capsys)
+    assert f"--out {target}" in err and "not a directory" in err and "Errno" not in err
+    assert (tmp_path / "out").read_text() == "a file\n"
+
+
+def test_downstream_unknown_language_is_an_error_before_embedding(runs: dict[str, Any], tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the whole training file was embedded before ``--test-lang xx`` was reported."""
+    import nmtflow.analysis.embeddings as embeddings
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("embedded before the languages were checked")
+
+    monkeypatch.setattr(embeddings, "sentence_embeddings", never)
+    tsv = tmp_path / "labels.tsv"
+    tsv.write_text("alpha bravo\ta\ncharlie delta\tb\n")
+    code = main(["downstream", "classify", runs["bridge"], "--lang", "src", "--train", str(tsv), "--test", str(tsv),
+                 "--test-lang", "xx", "--device", "cpu"])
+    assert code == 2
+    err = one_line_error(capsys)
+    assert "--test-lang xx" in err and runs["bridge"] in err and "src" in err

@@ -47,6 +47,19 @@ def test_mismatched_line_counts_name_file_and_counts(tmp_path, short_first):
     assert err.value.file == str(short)
 
 
+def test_a_file_with_carriage_return_line_ends_is_named_as_such(tmp_path):
+    """A classic-Mac file reads as one line; the mismatch error says why."""
+    mac = write(tmp_path / "mac.en", "a b\rc d\re f\r")
+    unix = write(tmp_path / "unix.de", "a b\r\nc d\r\ne f\r\n")
+    with pytest.raises(CorpusError, match=r"mac.en: has 1 lines but .*unix.de has 3 lines .*; it has 3 carriage "
+                                          r"returns not followed by a line feed: lines ended by CR alone"):
+        list(iter_parallel([mac, unix]))
+    from nmtflow.data.corpus import _bare_carriage_returns
+
+    assert [_bare_carriage_returns(unix, block_size=n) for n in (1, 2, 3, 64)] == [0, 0, 0, 0]
+    assert [_bare_carriage_returns(mac, block_size=n) for n in (1, 2, 3, 64)] == [3, 3, 3, 3]
+
+
 def test_missing_file(tmp_path):
     a = write(tmp_path / "a", "x\n")
     with pytest.raises(CorpusError, match="nope.de: file not found"):

@@ -75,3 +75,17 @@ def test_a_vocab_size_beyond_the_data_is_reported(raw: Path, tmp_path: Path,
     size = load_meta(tmp_path / "out")["vocab_size"]["en"]
     assert code == 0 and size < 8000
     assert f"spm.model has {size} pieces, fewer than --vocab-size 8000" in err
+
+
+def test_preparing_again_removes_what_the_earlier_preparation_wrote(raw: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: splits, languages and per-language tokenizers of an earlier run stayed beside the new ones (whose
+    tokenizer they do not match); files that no meta.json listed are left alone."""
+    rows = copy_sentences(3, 4)
+    write_split(raw / "test", rows, rows, ("en", "de"))
+    assert prepare_cli(tmp_path, capsys, "--vocab-size", "60", "--test", str(raw / "test"), "--separate-vocab")[0] == 0
+    (tmp_path / "out" / "notes.txt").write_text("mine\n")
+    assert prepare_cli(tmp_path, capsys, "--vocab-size", "60")[0] == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "meta.json", "notes.txt", "spm.model", "spm.vocab", "train.de.bin", "train.de.idx", "train.en.bin",
+        "train.en.idx", "valid.de.bin", "valid.de.idx", "valid.en.bin", "valid.en.idx"]

@@ -228,3 +228,17 @@ def test_phenomena_occur_in_the_sampled_corpus(rows: list[tuple[str, ...]]) -> N
     assert sum(s.endswith("?") for s in en) > 100 and sum(s.endswith(" ?") for s in fr) > 100
     assert sum(" not " in s for s in en) > 100 and sum(" pas " in s for s in fr) > 100
     assert any("in front of" in e and " vor " in d and "devant" in f for e, d, f in rows)
+
+
+def test_more_sentences_than_the_generator_has_is_a_clear_error(tmp_path, monkeypatch, capsys) -> None:
+    """Before: a RuntimeError traceback (the generator has run dry of new sentences)."""
+    import itertools
+
+    from nmtflow.cli import main
+    from nmtflow.data import synthetic
+
+    monkeypatch.setattr(synthetic, "_iter_tuples", lambda seed: itertools.repeat(("a", "b", "c")))
+    assert main(["corpus", str(tmp_path / "c"), "--train", "5", "--valid", "0", "--test", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "could not draw 5 distinct sentences (found 1 in 1,251 draws)" in err
+    assert "ask for fewer with --train/--valid/--test" in err and not (tmp_path / "c").exists()
