@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from nmtflow.config import Config, ConfigError, load_config, to_dict
+from nmtflow.config import Config, ConfigError, load_config, to_dict, yaml_dump
 from nmtflow.train.trainer import on_signals
 from nmtflow.evaluate.compare_job import (EXIT_INTERRUPTED, FINISHED, TRAINED, Interrupted, beyond_budget,
                                           read_json, run_job, write_json)
@@ -41,6 +41,7 @@ from nmtflow.evaluate.experiment import ExperimentConfig, load_experiment, parse
 
 log = logging.getLogger("nmtflow.compare")
 DATA_KEY = "experiment-data.json"
+TRAINING_SPLITS = ("train", "valid")  # what the runs train and validate on; the other splits are test sets
 DATA_IDENTITY = "data-identity.json"  # in OUT: the prepared data its runs were trained on
 MARKER = "comparison.json"  # in OUT, written first: the directory is a comparison's (a rerun may continue it)
 # config entries that may change without invalidating a trained run (the budget is checked separately): paths,
@@ -87,6 +88,19 @@ def check_out(out: Path) -> None:
 
 
 # ---- data -----------------------------------------------------------------------------------------------
+def _split_part(key: dict[str, Any], split: str) -> tuple[Any, dict[str, Any]]:
+    """A split's prefix and file sizes in an ``experiment-data.json`` key."""
+    names = {f"{split}.{lang}" for lang in key.get("langs", [])}
+    return key.get("splits", {}).get(split), {f: n for f, n in key.get("file_sizes", {}).items() if f in names}
+
+
+def _training_part(key: dict[str, Any]) -> dict[str, Any]:
+    """An ``experiment-data.json`` key without its test sets: what the runs train and validate on."""
+    parts = {split: _split_part(key, split) for split in key.get("splits", {}) if split in TRAINING_SPLITS}
+    return {**key, "splits": {s: prefix for s, (prefix, _) in parts.items()},
+            "file_sizes": {f: n for _, sizes in parts.values() for f, n in sizes.items()}}
+
+
 def _runs_started(out: Path) -> bool:
     return any((out / "runs").glob("*/seed-*/checkpoint_last.pt"))
 
@@ -94,7 +108,7 @@ def _runs_started(out: Path) -> bool:
 def prepare_data(exp: ExperimentConfig, out: Path) -> PreparedData:
     """Generate / locate the raw text and prepare it once (reused while the data settings are unchanged)."""
     from nmtflow.data.corpus import CleanConfig
-    from nmtflow.data.prepare import load_meta, prepare
+    from nmtflow.data.prepare import add_splits, load_meta, prepare
 
     d = exp.data
     if d.synthetic is not None:
@@ -138,7 +152,17 @@ def prepare_data(exp: ExperimentConfig, out: Path) -> PreparedData:
            "lang_tags": d.lang_tags, "max_len": d.max_len, "max_ratio": d.max_ratio,
            "file_sizes": {f"{s}.{lang}": p.stat().st_size for s, per in files.items() for lang, p in per.items()}}
     data_dir = out / "data"
-    if not ((data_dir / "meta.json").is_file() and read_json(data_dir / DATA_KEY) == key):
+    previous = read_json(data_dir / DATA_KEY) if (data_dir / "meta.json").is_file() else None
+    if previous is not None and previous != key and _training_part(previous) == _training_part(key):
+        # only test sets were added or changed: binarize them with the prepared tokenizers; the runs stand
+        changed = {split: str(raw / prefix) for split, prefix in d.splits.items()
+                   if split not in TRAINING_SPLITS and _split_part(previous, split) != _split_part(key, split)}
+        if changed:
+            log.info("adding test set(s) %s to %s", ", ".join(changed), data_dir)
+            add_splits(data_dir, changed)
+        write_json(data_dir / DATA_KEY, key)
+        previous = key
+    if previous != key:
         if (data_dir / DATA_KEY).is_file() and _runs_started(out):
             raise ConfigError(f"{out}: its runs were trained on data prepared with other settings "
                               f"({data_dir / DATA_KEY}); use another --out, or delete {out}")
@@ -151,13 +175,16 @@ def prepare_data(exp: ExperimentConfig, out: Path) -> PreparedData:
     return PreparedData(data_dir.resolve(), texts)
 
 
-def data_identity(data_dir: Path) -> str:
-    """A hash of a prepared directory's contents: meta.json without source paths, the tokenizer models (without
-    file names) and the sizes of the binarized splits (the same for the same data prepared again, anywhere)."""
+def data_identity(data_dir: Path, legacy: bool = False) -> str:
+    """A hash of what runs on a prepared directory train on: meta.json without source paths and test sets, the
+    tokenizer models (without file names) and the sizes of the binarized training and validation splits (the
+    same for the same data prepared again, anywhere). ``legacy``: the hash of earlier versions, over every split."""
     from nmtflow.data.tokenizer import canonical_model
 
     meta = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))
     meta.pop("source_files", None)
+    if not legacy:
+        meta["splits"] = {s: v for s, v in meta.get("splits", {}).items() if s in TRAINING_SPLITS}
     h = hashlib.sha1(json.dumps(meta, sort_keys=True).encode())
     for name in sorted(set(meta.get("tokenizers", {}).values())):
         h.update(name.encode() + b"\0" + canonical_model((data_dir / name).read_bytes()))
@@ -187,6 +214,8 @@ def check_data_identity(out: Path, data: PreparedData) -> None:
     """Runs already trained in ``out`` must have been trained on this prepared data; records it otherwise."""
     identity = data_identity(data.dir)
     previous = _previous_data(out)
+    if previous and previous.get("identity") == data_identity(data.dir, legacy=True):
+        previous = {**previous, "identity": identity}  # recorded by an earlier version, over every split
     if previous and previous.get("identity") != identity and _runs_started(out):
         raise ConfigError(f"{out}: its runs were trained on data prepared with other settings (in "
                           f"{previous.get('dir', '?')}, not {data.dir}); use another --out, or delete {out}")
@@ -321,6 +350,17 @@ def decode_items(exp: ExperimentConfig, data: PreparedData, multilingual: bool) 
     return items
 
 
+def _test_digest(item: dict[str, Any]) -> str:
+    """A hash of what a test item decodes and is scored against: its text files, else its binarized split."""
+    files = [item["src_file"], item["ref_file"]]
+    if not all(files):
+        files = [f"{item['data_dir']}/{item['split']}.{lang}.bin" for lang in (item["src"], item["tgt"])]
+    h = hashlib.sha1()
+    for f in files:
+        h.update(hashlib.sha1(Path(f).read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
 def _eval_key(ev: dict[str, Any]) -> str:
     """A hash of what a run's test decoding depends on (the test items by name)."""
     key = {**ev, "items": [i["key"] for i in ev["items"]]}
@@ -346,6 +386,7 @@ def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
             # earlier versions decoded with the checkpoint's decode section, which their fingerprint pinned
             legacy = {"fingerprint": fingerprint(config_dict, legacy=True), "eval_key": _eval_key(ev)}
             ev["decode"] = config_dict.get("decode")  # the run's decode section: it may change after training
+            ev["test_data"] = {item["key"]: _test_digest(item) for item in items}  # an edited test set: decode again
             jobs.append({"run": run.name, "seed": seed, "dir": str(run_dir), "config": str(run_dir / "run.yaml"),
                          "config_source": str(resolve_config_path(run.config, exp.file)),
                          "fingerprint": fp, "budget": to_dict(exp.budget), "eval": ev, "eval_key": _eval_key(ev),
@@ -410,8 +451,7 @@ def _write_job(job: dict[str, Any]) -> Path:
     """Write the run's ``run.yaml`` and ``job.json``; returns the job file."""
     run_dir = Path(job["dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "run.yaml").write_text(yaml.safe_dump(job["_config"], sort_keys=False, allow_unicode=True),
-                                      encoding="utf-8")
+    (run_dir / "run.yaml").write_text(yaml_dump(job["_config"]), encoding="utf-8")  # load_config reads it back
     job_file = run_dir / "job.json"
     write_json(job_file, {k: v for k, v in job.items() if k != "_config"})
     return job_file
@@ -485,6 +525,32 @@ def execute_parallel(jobs: list[tuple[str, dict[str, Any]]], parallel: int,
     return outcomes
 
 
+def decode_ensembles(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per run whose seeds all finished: its seeds decoded as one ensemble (``OUT/runs/NAME/ensemble``); a
+    failure is reported, not raised. Runs with an unfinished seed are left out."""
+    import torch
+
+    from nmtflow.evaluate.compare_job import evaluate_ensemble
+
+    if exp.threads:
+        torch.set_num_threads(exp.threads)
+    ensembles: dict[str, dict[str, Any]] = {}
+    for run in exp.runs:
+        mine = [o for o in outcomes if o["run"] == run.name]
+        if len(mine) < 2 or any(o["status"] != "done" or not o["result"] for o in mine):
+            continue
+        ensemble_dir = out / "runs" / run.name / "ensemble"
+        log.info("%s: decoding the ensemble of seeds %s", run.name, ", ".join(str(o["seed"]) for o in mine))
+        try:
+            ensembles[run.name] = evaluate_ensemble(mine, ensemble_dir, exp.device)
+        except Exception as exc:  # one failed ensemble must not end the comparison
+            (ensemble_dir / "error.log").parent.mkdir(parents=True, exist_ok=True)
+            (ensemble_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+            log.error("%s: the ensemble of its seeds failed: %s: %s", run.name, type(exc).__name__, exc)
+            ensembles[run.name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return ensembles
+
+
 def run_comparison(experiment: str | Path, out: str | Path | None = None, overrides: list[str] | None = None,
                    plugins: list[str] | None = None, only: list[str] | None = None) -> ComparisonResult:
     """Run (or continue) a comparison and write its report; raises KeyboardInterrupt if it was interrupted.
@@ -552,7 +618,8 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
     for job in jobs:
         status, result, error = status_of.get(job["dir"], ("not run", None, "not run yet (interrupted)"))
         outcomes.append({**job, "status": status, "result": result, "error": error})
-    files, runs = write_report(exp, out, outcomes, command=command)
+    ensembles = decode_ensembles(exp, out, outcomes) if exp.ensemble and not interrupted else {}
+    files, runs = write_report(exp, out, outcomes, command=command, ensembles=ensembles)
     failed = [f"{o['run']} seed {o['seed']}" for o in outcomes if o["status"] == "failed"]
     log.info("wrote %s", ", ".join(str(f) for f in files))
     if interrupted:

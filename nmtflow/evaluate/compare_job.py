@@ -179,7 +179,6 @@ def run_decode(ev: dict[str, Any], saved: Any) -> Any:
 def evaluate(job: dict[str, Any]) -> dict[str, Any]:
     """Decode every test item with the chosen checkpoint; BLEU, chrF, sentences/s and parameters."""
     from nmtflow.decode.translate import Translator
-    from nmtflow.evaluate.metrics import bleu, chrf
     from nmtflow.models.base import count_parameters
     from nmtflow.train.trainer import resolve_device
 
@@ -197,24 +196,68 @@ def evaluate(job: dict[str, Any]) -> dict[str, Any]:
         translator = Translator.from_checkpoint(path, device)
         translator.decode = dataclasses.replace(run_decode(ev, translator.decode), **ev["search"])
         model, translator_for = translator.model, lambda s, t: translator
+    return {"checkpoint": path.name, "averaged_from": averaged, "parameters": count_parameters(model),
+            **decode_items(ev, translator_for, run_dir)}
+
+
+def decode_items(ev: dict[str, Any], translator_for: Callable[[str, str], Any], out_dir: Path) -> dict[str, Any]:
+    """Translate every test item of ``ev`` into ``out_dir/hyp.SET.DIRECTION.txt``; BLEU, chrF, sentences/s."""
+    from nmtflow.evaluate.metrics import bleu, chrf
+
     scores: dict[str, dict[str, Any]] = {}
     for item in ev["items"]:
         src, ref = load_texts(item, ev["max_sentences"])
         start = time.perf_counter()
         hyps = [nbest[0][0] for nbest in translator_for(item["src"], item["tgt"]).translate(src)]
         seconds = time.perf_counter() - start
-        hyp_file = run_dir / f"hyp.{item['test_set']}.{item['direction']}.txt"
+        hyp_file = out_dir / f"hyp.{item['test_set']}.{item['direction']}.txt"
         hyp_file.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
         b, c = bleu(hyps, ref), chrf(hyps, ref)
         scores[item["key"]] = {"bleu": b.score, "chrf": c.score, "sentences": len(src), "decode_seconds": seconds,
                                "bleu_signature": b.signature, "chrf_signature": c.signature,
                                "hypotheses": hyp_file.name}
-        log.info("%s %s: BLEU %.2f, chrF %.2f (%d sentences, %.1f sentences/s)", run_dir, item["key"], b.score,
+        log.info("%s %s: BLEU %.2f, chrF %.2f (%d sentences, %.1f sentences/s)", out_dir, item["key"], b.score,
                  c.score, len(src), len(src) / max(seconds, 1e-9))
     sentences = sum(s["sentences"] for s in scores.values())
     seconds = sum(s["decode_seconds"] for s in scores.values())
-    return {"checkpoint": path.name, "averaged_from": averaged, "parameters": count_parameters(model),
-            "scores": scores, "decode_sentences_per_s": sentences / seconds if seconds > 0 else None}
+    return {"scores": scores, "decode_sentences_per_s": sentences / seconds if seconds > 0 else None}
+
+
+def evaluate_ensemble(jobs: list[dict[str, Any]], out_dir: Path, device: str) -> dict[str, Any]:
+    """Decode the test items of one run's seeds (``jobs``, each finished) with the ensemble of the checkpoints
+    they decoded alone (:mod:`nmtflow.decode.ensemble`: the mean of their probabilities), under the first
+    seed's decode settings; reused from ``out_dir/ensemble.json`` while the seeds' results are unchanged."""
+    import hashlib
+
+    from nmtflow.decode.ensemble import open_translators
+    from nmtflow.train.trainer import resolve_device
+
+    members = [str(Path(job["dir"]) / job["result"]["checkpoint"]) for job in jobs]
+    key = hashlib.sha1(json.dumps([[job["seed"], job["eval_key"], job["result"].get("fingerprint"),
+                                    job["result"].get("update"), job["result"]["checkpoint"]] for job in jobs],
+                                  sort_keys=True).encode()).hexdigest()[:16]
+    done = read_json(out_dir / "ensemble.json")
+    if done and done.get("key") == key:
+        log.info("%s: the ensemble of seeds %s was decoded earlier, skipped", out_dir,
+                 ", ".join(str(job["seed"]) for job in jobs))
+        return done
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ev, torch_device = jobs[0]["eval"], resolve_device(device)
+    translators: dict[tuple[str, str], Any] = {}
+
+    def translator_for(src: str, tgt: str) -> Any:
+        if (src, tgt) not in translators:
+            translators.clear()  # one direction's members in memory at a time
+            langs = (src, tgt) if jobs[0]["multilingual"] else (None, None)
+            translator = open_translators(members, torch_device, *langs)
+            translator.decode = dataclasses.replace(run_decode(ev, translator.decode), **ev["search"])
+            translators[(src, tgt)] = translator
+        return translators[(src, tgt)]
+
+    result = {"key": key, "seeds": [job["seed"] for job in jobs], "members": members,
+              **decode_items(ev, translator_for, out_dir)}
+    write_json(out_dir / "ensemble.json", result)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""The report of ``nmtflow compare``: ``results.md`` (one table), ``results.json`` and PNG plots.
+"""The report of ``nmtflow compare``: ``results.md`` (the main table, then significance against the first run and
+seed ensembles where they apply), ``results.json`` and PNG plots.
 
 Per run, over its seeds: BLEU and chrF as mean ± sample standard deviation, the other columns as means
 (peak memory: the maximum). Train tokens/s is the mean of the speeds the trainer logged (target tokens per
@@ -8,6 +9,7 @@ time; wall time is the training loop's wall-clock time (validation included, res
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import platform
@@ -19,6 +21,7 @@ from nmtflow.config import to_dict
 from nmtflow.evaluate.compare_job import write_json
 from nmtflow.evaluate.experiment import ExperimentConfig
 
+log = logging.getLogger("nmtflow.compare")
 PLOTS = ("valid_bleu.png", "valid_loss.png", "train_loss.png", "bleu_vs_parameters.png")
 
 
@@ -132,10 +135,64 @@ def markdown_table(exp: ExperimentConfig, runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]], *,
-                 command: str) -> tuple[list[Path], list[dict[str, Any]]]:
-    """Write results.md, results.json and the plots; returns (files, per-run summaries)."""
+def ensemble_table(runs: list[dict[str, Any]]) -> str:
+    """One row per run and test item: the seeds' ensemble against the mean of the seeds alone."""
+    lines = ["| run | test set | BLEU ensemble | BLEU seeds (mean) | Δ BLEU | chrF ensemble | chrF seeds (mean) |",
+             "| --- | --- |" + " ---: |" * 5]
+    for r in runs:
+        ens = r.get("ensemble")
+        if not ens:
+            continue
+        if "error" in ens:
+            lines.append(f"| {r['name']} | failed: {ens['error']} |" + " – |" * 5)
+            continue
+        for key, s in ens["scores"].items():
+            alone = r["scores"].get(key, {})
+            b, c = (alone.get(m) or {} for m in ("bleu", "chrf"))
+            gain = f"{s['bleu'] - b['mean']:+.2f}" if b else "–"
+            lines.append(f"| {r['name']} | {key} | {s['bleu']:.2f} | {_fmt(b.get('mean'), '.2f')} | {gain} | "
+                         f"{s['chrf']:.2f} | {_fmt(c.get('mean'), '.2f')} |")
+    return "\n".join(lines)
+
+
+def significance_table(runs: list[dict[str, Any]]) -> str:
+    """One row per run after the first, test item and seed: BLEU against the first run's, Δ and p."""
+    lines = ["| run | test set | seed | BLEU | baseline BLEU | Δ BLEU | p |", "| --- | --- | ---: |" + " ---: |" * 4]
+    for r in runs:
+        for key, seeds in (r.get("significance") or {}).items():
+            for seed, t in seeds.items():
+                p = f"{t['p_value']:.4f}" + (" *" if t["p_value"] < 0.05 else "")
+                lines.append(f"| {r['name']} | {key} | {seed} | {t['bleu']:.2f} | {t['baseline_bleu']:.2f} | "
+                             f"{t['delta']:+.2f} | {p} |")
+    return "\n".join(lines)
+
+
+def add_significance(exp: ExperimentConfig, runs: list[dict[str, Any]], outcomes: list[dict[str, Any]]) -> None:
+    """``significance`` of every run after the first: paired bootstrap against the first, per test set and seed
+    (:mod:`nmtflow.evaluate.significance`); a failure (e.g. deleted hypothesis files) is logged, not raised."""
+    from nmtflow.evaluate.compare_job import load_texts
+    from nmtflow.evaluate.significance import compare_to_baseline
+
+    try:
+        tested = compare_to_baseline(outcomes, [r["name"] for r in runs], exp.bootstrap_samples,
+                                     lambda item: load_texts(item, exp.decode.max_sentences)[1])
+    except (OSError, ValueError) as exc:
+        log.warning("no significance test: %s", exc)
+        return
+    for r in runs:
+        if r["name"] in tested:
+            r["significance"] = tested[r["name"]]
+
+
+def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]], *, command: str,
+                 ensembles: dict[str, dict[str, Any]] | None = None) -> tuple[list[Path], list[dict[str, Any]]]:
+    """Write results.md, results.json and the plots; returns (files, per-run summaries). ``ensembles``: by run
+    name, the result of decoding its seeds as one ensemble (``ensemble`` in results.json, a second table)."""
     runs = summarize(exp, outcomes)
+    for r in runs:
+        if ensembles and r["name"] in ensembles:
+            r["ensemble"] = ensembles[r["name"]]
+    add_significance(exp, runs, outcomes)
     machine = machine_info(exp.device, exp.threads)
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     d = exp.data
@@ -166,6 +223,14 @@ def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]
     failures = [f"- {r['name']} seed {s['seed']}: {s['status']}: {s['error']}" for r in runs for s in r["seeds"]
                 if s["status"] != "done"]
     body = [markdown_table(exp, runs), ""] + (["Not finished:", "", *failures, ""] if failures else [])
+    if any(r.get("significance") for r in runs):
+        body += [f"Significance against {runs[0]['name']}: paired bootstrap resampling of the test sentences "
+                 f"(sacreBLEU, {exp.bootstrap_samples} resamples), each seed against the same seed of "
+                 f"{runs[0]['name']}; * p < 0.05:", "", significance_table(runs), ""]
+    if any(r.get("ensemble") for r in runs):
+        body += ["Seed ensembles: each run's seeds decoded as one model (the mean of their probabilities; "
+                 "the checkpoints decoded alone above, the first seed's decode settings):", "",
+                 ensemble_table(runs), ""]
     files = [out / "results.md", out / "results.json"]
     files[0].write_text("\n".join(header + body), encoding="utf-8")
     write_json(files[1], _finite({"experiment": exp.name, "file": exp.file, "command": command, "date": date,

@@ -12,6 +12,8 @@ averaging, decode settings and test sets::
       - {name: shortcuts, config: ../configs/shortcuts-small.yaml} # ... or a file relative to this one
     budget: {updates: 4000}                                        # and/or epochs, minutes
     seeds: [1, 2, 3]
+    ensemble: true                                                 # also decode each run's seeds as one model
+    bootstrap_samples: 1000                                        # paired bootstrap vs the first run (0: off)
     average_last: 5
     decode: {beam_size: 5}
     test_sets: [valid]
@@ -27,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nmtflow.config import ConfigError, apply_overrides, coerce, parse_override, read_yaml
+from nmtflow.config import PRESETS_DIR, ConfigError, apply_overrides, coerce, parse_override, read_yaml
 
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+REPO_CONFIGS = PRESETS_DIR
 # keys the experiment sets for every run (the budget must be equal; seeds and data are the experiment's)
 RESERVED_KEYS = ("train.max_updates", "train.max_epochs", "train.max_minutes", "train.seed", "train.save_dir",
                  "data.path", "data.src_lang", "data.tgt_lang", "data.train_split", "data.valid_split")
@@ -169,6 +171,8 @@ class ExperimentConfig:
     average_last: int | None = None  # average the last N periodic checkpoints of each run
     decode: DecodeSettings = field(default_factory=DecodeSettings)
     test_sets: list[str] = field(default_factory=lambda: ["test"])  # split names (keys of data.splits)
+    ensemble: bool = False  # also decode each run's seeds as one ensemble (needs two or more seeds)
+    bootstrap_samples: int = 1000  # paired bootstrap resampling of each run's BLEU against the first run (0: none)
     device: str = "auto"
     threads: int | None = None  # torch CPU threads of each run (training and decoding)
     isolate: bool = True  # train and decode each run in its own process
@@ -186,6 +190,12 @@ class ExperimentConfig:
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"{where}: seeds: give one or more distinct seeds, e.g. [1, 2, 3]")
         check_overrides(self.overrides, f"{where}: overrides")
+        if self.ensemble and len(self.seeds) < 2:
+            raise ConfigError(f"{where}: ensemble: an ensemble of each run's seeds needs two or more seeds, e.g. "
+                              "seeds: [1, 2, 3]")
+        if self.bootstrap_samples < 0:
+            raise ConfigError(f"{where}: bootstrap_samples: must be >= 0 (0: no significance test), got "
+                              f"{self.bootstrap_samples}")
         if self.average_last is not None and self.average_last < 1:
             raise ConfigError(f"{where}: average_last: must be >= 1 (or null for no averaging)")
         choice = self.decode.checkpoint
@@ -230,10 +240,34 @@ def check_overrides(overrides: list[str], where: str) -> None:
                               "(budget, seeds, data), not per run")
 
 
+def _default_mapping(raw: dict[str, Any], keys: list[str], cls: type | None = None) -> None:
+    """An override into a mapping that the file leaves at its default (``data.splits.test2=...`` where the file
+    names no splits) adds to the default mapping instead of replacing it: the default is written into ``raw``."""
+    cls = cls or ExperimentConfig
+    if not (dataclasses.is_dataclass(cls) and len(keys) > 1):
+        return
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if keys[0] not in fields or not isinstance(raw.get(keys[0], {}), dict):
+        return
+    hint = typing.get_type_hints(cls)[keys[0]]
+    f = fields[keys[0]]
+    if typing.get_origin(hint) is dict and keys[0] not in raw and f.default_factory is not dataclasses.MISSING:
+        raw[keys[0]] = dict(f.default_factory())
+        return
+    inner = next((a for a in (typing.get_args(hint) or (hint,)) if dataclasses.is_dataclass(a)), None)
+    if inner is not None:
+        if raw.get(keys[0]) is None:  # as apply_overrides does for a section on the override's path
+            raw[keys[0]] = {}
+        _default_mapping(raw[keys[0]], keys[1:], inner)
+
+
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read, override (``a.b=c``) and type-check an experiment file; errors name the file and key."""
     path = Path(path)
-    raw = apply_overrides(read_yaml(path), list(overrides or []))
+    raw = read_yaml(path)
+    for text in overrides or []:
+        _default_mapping(raw, parse_override(text)[0])
+    raw = apply_overrides(raw, list(overrides or []))
     hints = typing.get_type_hints(ExperimentConfig)
     known = [f.name for f in dataclasses.fields(ExperimentConfig) if f.init]
     unknown = [k for k in raw if k not in known]

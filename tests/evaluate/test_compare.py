@@ -1,6 +1,7 @@
 """``nmtflow compare``: a tiny two-config comparison end to end, resumable reruns, strict experiment files."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -54,13 +55,19 @@ def table_rows(md: str) -> list[list[str]]:
     return [[c.strip() for c in line.strip().strip("|").split("|")] for line in md.splitlines() if line.startswith("|")]
 
 
+def main_table(md: str) -> list[list[str]]:
+    """The rows of the first table of results.md (the significance and ensemble tables follow it)."""
+    start = md.index("\n|")
+    return table_rows(md[start:md.find("\n\n", start)])
+
+
 def test_two_config_comparison_writes_table_json_and_plots(compared) -> None:
     _, out, result = compared
     assert not result.failed
     md = (out / "results.md").read_text(encoding="utf-8")
     assert "- command: `nmtflow compare" in md and "- budget: 10 updates per run" in md and "- machine:" in md
     assert "tiny.yaml says: Baseline vs shortcuts, 10 updates each. (what ran is below" in md  # the file's words
-    rows = table_rows(md)
+    rows = main_table(md)
     head, sep, body = rows[0], rows[1], rows[2:]
     assert head == ["run", "BLEU", "chrF", "parameters", "train tok/s", "decode sent/s", "peak memory", "wall time"]
     assert set(sep) <= {"---", "---:"}
@@ -286,7 +293,7 @@ def test_decode_and_logging_settings_do_not_retrain_but_decode_again(copied, mon
 def test_runs_recorded_before_decode_left_the_fingerprint_are_still_skipped(copied,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """finished.json written by earlier versions: the fingerprint kept decode and log_every, eval_key had no
-    decode section."""
+    decode section or test-data digests."""
     experiment, out = copied
     run_comparison(experiment, out=out, overrides=["isolate=false"])  # every run finished with these settings
     exp = load_experiment(experiment)
@@ -296,7 +303,7 @@ def test_runs_recorded_before_decode_left_the_fingerprint_are_still_skipped(copi
     for job in compare.plan_jobs(exp, out, compare.prepare_data(exp, out)):
         kept = {s: {k: v for k, v in values.items() if (s, k) not in volatile} if isinstance(values, dict) else values
                 for s, values in job["_config"].items()}
-        ev = {k: v for k, v in job["eval"].items() if k != "decode"}
+        ev = {k: v for k, v in job["eval"].items() if k not in ("decode", "test_data")}
         old = {"fingerprint": hashlib.sha1(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16],
                "eval_key": hashlib.sha1(json.dumps({**ev, "items": [i["key"] for i in ev["items"]]},
                                                    sort_keys=True).encode()).hexdigest()[:16]}
@@ -325,3 +332,92 @@ def test_budget_must_be_positive_and_one_seed_shows_no_spread(compared) -> None:
     assert _fmt_score({"mean": 20.0, "std": 0.0, "n": 1}, 3) == "20.00 (n=1)"
     assert _fmt_score({"mean": 20.0, "std": 1.5, "n": 2}, 3) == "20.00 ± 1.50 (n=2)"
     assert _fmt_score({"mean": 20.0, "std": 1.5, "n": 3}, 3) == "20.00 ± 1.50"
+
+
+def test_a_new_test_set_is_decoded_without_training_again(copied, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a test set added to data.splits changed the prepared data's key and every run had to train again
+    (the comparison refused: "trained on data prepared with other settings")."""
+    experiment, out = copied
+    for lang in ("en", "de"):
+        lines = (out / "corpus" / f"test.{lang}").read_text(encoding="utf-8").splitlines()
+        (out / "corpus" / f"extra.{lang}").write_text("\n".join(lines[:6]) + "\n", encoding="utf-8")
+    kept = {f: (out / "data" / f).read_bytes() for f in ("spm.model", "train.en.bin", "valid.de.bin", "test.en.bin")}
+    monkeypatch.setattr(compare_job, "train", no_training)
+    added = ["data.splits.extra=extra", "test_sets=[test, extra]", "isolate=false"]
+    result = run_comparison(experiment, out=out, overrides=added)
+    assert not result.failed
+    for run in result.runs:
+        assert run["status"] == "done" and run["updates"] == 10
+        assert run["seeds"][0]["result"]["scores"]["extra en-de"]["sentences"] == 6
+    assert {f: (out / "data" / f).read_bytes() for f in kept} == kept  # tokenizer and other splits untouched
+    assert json.loads((out / "data" / "meta.json").read_text(encoding="utf-8"))["splits"]["extra"]["rows"] == 6
+    # a changed test set is binarized again; training data that changes is still refused
+    with open(out / "corpus" / "extra.en", "a", encoding="utf-8") as f, \
+            open(out / "corpus" / "extra.de", "a", encoding="utf-8") as g:
+        f.write("one more line\n")
+        g.write("noch eine zeile\n")
+    result = run_comparison(experiment, out=out, overrides=added)
+    assert result.runs[0]["seeds"][0]["result"]["scores"]["extra en-de"]["sentences"] == 7
+    with open(out / "corpus" / "valid.en", "a", encoding="utf-8") as f, \
+            open(out / "corpus" / "valid.de", "a", encoding="utf-8") as g:
+        f.write("one more line\n")
+        g.write("noch eine zeile\n")
+    with pytest.raises(ConfigError, match="trained on data prepared with other settings"):
+        run_comparison(experiment, out=out, overrides=added)
+
+
+def test_a_data_identity_recorded_over_every_split_is_still_recognised(copied,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Earlier versions hashed the test splits into the prepared data's identity."""
+    experiment, out = copied
+    record = json.loads((out / compare.DATA_IDENTITY).read_text(encoding="utf-8"))
+    legacy = compare.data_identity(out / "data", legacy=True)
+    assert legacy != compare.data_identity(out / "data")
+    (out / compare.DATA_IDENTITY).write_text(json.dumps({**record, "identity": legacy}), encoding="utf-8")
+    monkeypatch.setattr(compare_job, "train", no_training)
+    result = run_comparison(experiment, out=out, overrides=["isolate=false"])
+    assert [r["status"] for r in result.runs] == ["done", "done"]
+    assert json.loads((out / compare.DATA_IDENTITY).read_text())["identity"] == compare.data_identity(out / "data")
+
+
+def test_an_override_into_a_default_mapping_adds_to_it(tmp_path: Path) -> None:
+    """Before: ``data.splits.extra=x`` on a file that names no splits left {extra: x} alone ("needs a 'train'
+    split"), while on a file that names them it added a split."""
+    (tmp_path / "tiny.yaml").write_text(TINY, encoding="utf-8")
+    exp = load_experiment(tmp_path / "tiny.yaml", ["data.splits.extra=x", "decode.beam_size=3"])
+    assert exp.data.splits == {"train": "train", "valid": "valid", "test": "test", "extra": "x"}
+    assert exp.decode.beam_size == 3
+    exp = load_experiment(tmp_path / "tiny.yaml", ["data.splits={train: a, valid: b}", "test_sets=[valid]"])
+    assert exp.data.splits == {"train": "a", "valid": "b"}  # a whole mapping still replaces the default
+
+
+def test_ensemble_decodes_each_runs_seeds_as_one_model(tmp_path: Path, caplog) -> None:
+    """``ensemble: true``: the seeds' decoded checkpoints as one ensemble, the same hypotheses as the ensemble
+    opened directly, reported beside the seeds' mean and reused on a rerun."""
+    from nmtflow.decode.ensemble import open_translators
+
+    text = TINY.replace("seeds: [1]", "seeds: [1, 2]\nensemble: true").replace(
+        "  - {name: shortcuts, config: shortcuts-small, overrides: [train.warmup_updates=5]}\n", "")
+    (tmp_path / "ens.yaml").write_text(text, encoding="utf-8")
+    out = tmp_path / "out"
+    result = run_comparison(tmp_path / "ens.yaml", out=out, overrides=["isolate=false"])
+    run = result.runs[0]
+    ens = run["ensemble"]
+    assert ens["seeds"] == [1, 2] and [Path(m).name for m in ens["members"]] == ["averaged.pt", "averaged.pt"]
+    hyps = (out / "runs" / "baseline" / "ensemble" / "hyp.test.en-de.txt").read_text(encoding="utf-8").splitlines()
+    translator = open_translators(ens["members"])
+    translator.decode = dataclasses.replace(translator.decode, beam_size=2, max_len_a=1.2, max_len_b=4)
+    src = (out / "corpus" / "test.en").read_text(encoding="utf-8").splitlines()
+    assert hyps == [nbest[0][0] for nbest in translator.translate(src)]
+    assert ens["scores"]["test en-de"]["sentences"] == 20
+    md = (out / "results.md").read_text(encoding="utf-8")
+    rows = [r for r in table_rows(md) if r[0] == "baseline" and r[1] == "test en-de"]
+    assert len(rows) == 1 and rows[0][2] == f"{ens['scores']['test en-de']['bleu']:.2f}"
+    assert rows[0][3] == f"{run['scores']['test en-de']['bleu']['mean']:.2f}"
+    saved = json.loads((out / "results.json").read_text(encoding="utf-8"))
+    assert saved["runs"][0]["ensemble"]["scores"] == ens["scores"]
+    with caplog.at_level(logging.INFO, logger="nmtflow.compare"):
+        again = run_comparison(tmp_path / "ens.yaml", out=out, overrides=["isolate=false"])
+    assert "was decoded earlier, skipped" in caplog.text and again.runs[0]["ensemble"] == ens
+    with pytest.raises(ConfigError, match="ensemble: an ensemble of each run's seeds needs two or more seeds"):
+        run_comparison(tmp_path / "ens.yaml", out=out, overrides=["seeds=[1]"])
