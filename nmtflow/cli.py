@@ -107,13 +107,16 @@ def cmd_average(args: argparse.Namespace) -> None:
     from nmtflow.train.checkpoint import average_checkpoints, periodic_checkpoints, save_atomic
 
     paths = [Path(p) for p in args.checkpoints]
-    if args.last < 1:
+    if args.last is not None and args.last < 1:
         raise ValueError(f"--last: must be >= 1, got {args.last}")
     if len(paths) == 1 and paths[0].is_dir():
         found = periodic_checkpoints(paths[0])
         if not found:
             raise ValueError(f"{paths[0]}: no checkpoint_UPDATE.pt files to average")
-        paths = found[-args.last:]
+        paths = found[-(args.last or 5):]
+    elif args.last is not None:
+        raise ValueError(f"--last {args.last} picks from a save dir's periodic checkpoints; with checkpoint files "
+                         "given, every one is averaged (leave out --last, or give the save dir)")
     save_atomic(average_checkpoints(paths), args.output)
     print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) into {args.output}")
 
@@ -529,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("average", help="average checkpoints (a save dir's last N, or given files)")
     p.add_argument("checkpoints", nargs="+")
-    p.add_argument("--last", type=int, default=5)
+    p.add_argument("--last", type=int, help="with a save dir: average its last N periodic checkpoints (default 5)")
     p.add_argument("-o", "--output", required=True)
 
     p = sub.add_parser("translate", help="translate a file or stdin")

@@ -225,6 +225,19 @@ class DecodeConfig:
     max_tokens: int = 6000  # source tokens per decoding batch
     greedy: bool = False
 
+    def validate(self, where: str) -> None:
+        for name in ("beam_size", "nbest", "max_input_tokens", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.nbest > self.beam_size:
+            raise ConfigError(f"{where}.nbest: {self.nbest} is more than beam_size {self.beam_size} (beam search keeps "
+                              "at most beam_size hypotheses)")
+        for name in ("len_penalty", "max_len_a"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{where}.{name}: must be a finite number, got {getattr(self, name)}")
+        if self.max_len_a < 0:
+            raise ConfigError(f"{where}.max_len_a: must be >= 0, got {self.max_len_a}")
+
 
 @dataclass
 class Config:

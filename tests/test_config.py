@@ -138,3 +138,16 @@ def test_a_preset_name_reads_the_shipped_preset(tmp_path, monkeypatch) -> None:
         load_config("transformer-smal")
     with pytest.raises(ConfigError, match=r"^sub/transformer-small: config file not found"):
         load_config("sub/transformer-small")  # a path is a path
+
+
+@pytest.mark.parametrize("override, message", [
+    ("decode.beam_size=0", "decode.beam_size: must be >= 1, got 0"),
+    ("decode.max_tokens=-1", "decode.max_tokens: must be >= 1, got -1"),
+    ("decode.nbest=6", "decode.nbest: 6 is more than beam_size 5"),
+    ("decode.len_penalty=.nan", "decode.len_penalty: must be a finite number"),
+    ("decode.max_len_a=-1", "decode.max_len_a: must be >= 0"),
+])
+def test_decode_settings_that_cannot_work_are_config_errors(override: str, message: str) -> None:
+    """Before: accepted at load, failing (or misbehaving) only when decoding started."""
+    with pytest.raises(ConfigError, match=f"override '{override}': {message}"):
+        load_config("transformer-small", [override])

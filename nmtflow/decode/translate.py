@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TextIO
 
-import numpy as np
 import torch
 
 from nmtflow.config import Config, DecodeConfig, config_from_dict
@@ -29,12 +28,20 @@ log = logging.getLogger(__name__)
 
 def tokenizer_from_bytes(data: bytes) -> Tokenizer:
     """A Tokenizer from a serialized SentencePiece model (as stored inside checkpoints)."""
-    digest = hashlib.sha1(data).hexdigest()[:16]
-    path = Path(tempfile.gettempdir()) / f"nmtflow-spm-{digest}.model"
-    if not path.is_file() or path.stat().st_size != len(data):
-        tmp = path.with_suffix(f".{np.random.randint(1 << 30)}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+    digest = hashlib.sha1(data).hexdigest()
+    path = Path(tempfile.gettempdir()) / f"nmtflow-spm-{digest[:16]}.model"  # shared by the processes that load it
+    try:
+        cached = path.is_file() and hashlib.sha1(path.read_bytes()).hexdigest() == digest
+    except OSError:  # another user's file, unreadable
+        cached = False
+    if not cached:
+        fd, tmp = tempfile.mkstemp(prefix="nmtflow-spm-", suffix=".tmp")  # a private name: no collisions
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # the shared name is taken by another user's file: keep the private copy
+            path = Path(tmp)
     return Tokenizer(path)
 
 

@@ -119,3 +119,20 @@ def test_same_model_ignores_file_names_only(tok, tmp_path):
     assert renamed != data and same_model(renamed, data)
     proto.pieces[10].piece += "x"  # a different vocabulary
     assert not same_model(proto.SerializeToString(), data)
+
+
+def test_a_checkpoints_tokenizer_ignores_a_stale_file_under_its_shared_name(tok: Tokenizer, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a file of the same size at the shared temporary name was taken for the model without a look."""
+    import hashlib
+    import tempfile
+
+    from nmtflow.decode.translate import tokenizer_from_bytes
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = Path(tok.path).read_bytes()
+    shared = tmp_path / f"nmtflow-spm-{hashlib.sha1(data).hexdigest()[:16]}.model"
+    shared.write_bytes(b"\0" * len(data))  # same size, other content
+    loaded = tokenizer_from_bytes(data)
+    assert Path(loaded.path).read_bytes() == data and loaded.encode("hello world") == tok.encode("hello world")
+    assert tokenizer_from_bytes(data).path == loaded.path  # cached from then on

@@ -182,6 +182,9 @@ def test_only_checkpoints_of_one_model_are_averaged(copy_data: Path, tmp_path: P
     assert "has shape" in capsys.readouterr().err
     assert main(["average", str(tmp_path / "a"), "--last", "0", "-o", str(tmp_path / "avg.pt")]) == 2
     assert "--last: must be >= 1" in capsys.readouterr().err
+    assert main(["average", a, a, "--last", "1", "-o", str(tmp_path / "avg.pt")]) == 2  # was silently ignored
+    assert "with checkpoint files given, every one is averaged" in capsys.readouterr().err
+    assert not (tmp_path / "avg.pt").exists()
 
 
 @pytest.mark.parametrize("warmup", [1, 4, 10])
