@@ -72,7 +72,8 @@ class ConvS2SConfig(ModelConfig):
     max_positions: int = 1024
 
     PRESETS: ClassVar[dict[str, dict]] = {
-        # BASE-4L / BASE-8L (Shen et al. 2018, §4.2): residual ConvS2S, embeddings and hidden size 256
+        # BASE-4L / BASE-8L (Shen et al. 2018, §4.2): residual ConvS2S, embeddings and hidden size 256. The paper
+        # gives its BASE-8L hidden size 192 (about BASE-4L's parameters); base-8l keeps 256, ``hidden: 192`` is theirs
         "base-4l": dict(encoder_layers=4, decoder_layers=4, embed_dim=256, hidden=256, kernel_size=3),
         "base-8l": dict(encoder_layers=8, decoder_layers=8, embed_dim=256, hidden=256, kernel_size=3),
         # Gehring et al. (2017) WMT'14 En-De: 9×512, 4×1024, 2×2048 (kernel 1) per stack, embeddings 768
@@ -97,8 +98,14 @@ class ConvS2SConfig(ModelConfig):
                                   f"got {[count, width, kernel]}")
         if self.embed_small is not None and self.embed_small < 1:
             raise ConfigError(f"{where}.embed_small: must be positive (or null)")
-        if any(k % 2 == 0 for _, k in self.specs(self.encoder_layers, self.dense_encoder)):
-            raise ConfigError(f"{where}: encoder kernel sizes must be odd (2r + 1)")
+        # the encoder's convolutions are centred (kernel 2r + 1); the same kernels serve both stacks
+        for i, (_, _, kernel) in enumerate(self.layer_groups or []):
+            if kernel % 2 == 0:
+                raise ConfigError(f"{where}.layer_groups[{i}]: the encoder needs odd kernel sizes (2r + 1), "
+                                  f"got {kernel}")
+        if not self.layer_groups and self.kernel_size % 2 == 0:
+            raise ConfigError(f"{where}.kernel_size: the encoder needs an odd kernel size (2r + 1), "
+                              f"got {self.kernel_size}")
 
     def specs(self, layers: int, dense: bool) -> list[tuple[int, int]]:
         """(width, kernel) of each layer of a stack."""
