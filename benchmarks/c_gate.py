@@ -194,6 +194,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--gate-repeats", type=int, default=50)
     add_common_args(p, warmup=3, steps=30, rounds=None, heap_headroom_mb=2048)
     args = p.parse_args(argv)
+    if torch.device(args.device).type != "cpu":
+        p.error("the C gate runs on the CPU only: leave --device at cpu")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    args.rounds = args.rounds or args.steps  # default: interleaved batch by batch, as shortcuts.py
     torch.set_num_threads(args.threads)
     keep_freed_memory()
     device = torch.device("cpu")
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for variant in ("shortcuts", "feature_fusion"):
         systems[f"{variant}/c"] = WithGate(first[variant], gates["c"])
         systems[f"{variant}/operators"] = WithGate(twins[variant], gates["operators"])
-    seconds, _, steps = timed_training(systems, batches[:args.warmup], batches[args.warmup:], args.steps, device,
+    seconds, _, steps = timed_training(systems, batches[:args.warmup], batches[args.warmup:], args.rounds, device,
                                        args.heap_headroom_mb)
     result["slowdown_vs_baseline_pct"] = {
         name: {"point": 100 * (1 - seconds["baseline"] / seconds[name]),

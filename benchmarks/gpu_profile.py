@@ -71,16 +71,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    torch.set_num_threads(args.threads)
     device = torch.device("cuda")
     work = args.work or default_work(args)
     vocab = prepared_data(args, work)
     batches = training_batches(work, args, args.warmup + args.steps, device)
     result: dict[str, Any] = {"config": {"preset": args.preset, "layers": args.layers, "precision": args.precision,
                                          "max_tokens": args.max_tokens, "vocab_size": vocab, "steps": args.steps,
+                                         "threads": torch.get_num_threads(),
                                          "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}}
     systems = build_systems(args, vocab, device)
     warm, timed = batches[:args.warmup], batches[args.warmup:]
-    _, _, steps = timed_training(systems, warm, timed, len(timed), device)  # interleaved batch by batch
+    _, _, steps = timed_training(systems, warm, timed, args.rounds or len(timed), device)  # default: batch by batch
     wall = {name: 1e3 * statistics.median(t) for name, t in steps.items()}
     kernels = {name: kernel_times(opt, timed) for name, opt in systems.items()}
     for name in SYSTEMS:

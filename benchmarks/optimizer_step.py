@@ -4,11 +4,11 @@ Usage (see benchmarks/README.md)::
 
     python benchmarks/optimizer_step.py --out benchmarks/results/optimizer-step.json [--device cuda]
 
-Builds the model of ``--config`` (default: the ``small`` preset, 6+6 layers, 8,000-piece joint vocabulary:
-the shortcut benchmarks' baseline), gives every parameter a random gradient and times ``optimizer.step()``
-with nmtflow's Adam settings under ``train.fused_optimizer: false`` (PyTorch's default: foreach on CUDA, one
-tensor at a time on the CPU) and ``true`` (fused), interleaved step by step, after a warm-up. It also checks
-that both give the same parameters after the timed steps.
+Builds the Transformer of ``--preset``, ``--layers`` and ``--vocab-size`` (default: the ``small`` preset, 6+6
+layers, 8,000-piece joint vocabulary: the shortcut benchmarks' baseline), gives every parameter a random
+gradient and times ``optimizer.step()`` with nmtflow's Adam settings under ``train.fused_optimizer: false``
+(PyTorch's default: foreach on CUDA, one tensor at a time on the CPU) and ``true`` (fused), interleaved step by
+step, after a warm-up. It also checks that both give the same parameters after the timed steps.
 """
 from __future__ import annotations
 
