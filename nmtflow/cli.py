@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 log = logging.getLogger("nmtflow")
 
@@ -221,12 +221,30 @@ def cmd_translate(args: argparse.Namespace) -> int | None:
     return None
 
 
+SEARCH_OPTIONS = ("beam", "nbest", "greedy", "lenpen", "max_len_a", "max_len_b")
+
+
+def _refuse(args: argparse.Namespace, options: Iterable[str], why: str) -> None:
+    """A ValueError naming the first of ``options`` given on the command line (they would be silently ignored)."""
+    given = [o for o in options if getattr(args, o, None) not in (None, False, [])]
+    if given:
+        flag = "-o" if given[0] == "output" else "--" + given[0].replace("_", "-")
+        raise ValueError(f"{flag}: {why}")
+
+
 @command
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from nmtflow.evaluate.metrics import bleu, chrf
 
     if args.perplexity:
+        _refuse(args, ("hyp", "src", "ref", "output", *SEARCH_OPTIONS), "does not apply to --perplexity (teacher-forced "
+                "scoring of --data's split; nothing is translated)")
         return _evaluate_perplexity(args)
+    _refuse(args, ("data",), "is for --perplexity; BLEU and chrF score --hyp, or CHECKPOINT's translations of --src")
+    if args.hyp:
+        _refuse(args, SEARCH_OPTIONS, "--hyp scores a file of translations: nothing is searched")
+    if args.nbest is not None and args.nbest > 1:
+        raise ValueError(f"--nbest {args.nbest}: evaluate scores one translation per sentence (use translate --nbest)")
     if not args.ref:
         raise ValueError("evaluate needs --ref FILE (or --perplexity CKPT --data DIR)")
     if args.hyp and (args.checkpoint or args.src or args.output):  # else one of the two would be silently ignored
@@ -276,6 +294,8 @@ def _evaluate_perplexity(args: argparse.Namespace) -> None:
 
 @command
 def cmd_score(args: argparse.Namespace) -> None:
+    _refuse(args, SEARCH_OPTIONS, "score computes log P(translation | source) of given translations: nothing is "
+            "searched")
     if args.candidates and (args.src or args.tgt):  # else --src/--tgt would be silently ignored
         raise ValueError("--candidates scores its own sources and translations; leave out --src and --tgt "
                          "(or --candidates)")

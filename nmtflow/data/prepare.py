@@ -131,7 +131,6 @@ def prepare(
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     disable = None if progress else True
 
     files = {split: [Path(f"{prefix}.{lang}") for lang in langs] for split, prefix in data_prefixes.items()}
@@ -156,7 +155,8 @@ def prepare(
     for split, n in lines.items():
         if n == 0:
             raise CorpusError(files[split][0], f"the {'training' if split == train_split else split} split is empty")
-    # 2. tokenizers, trained on the training split under temporary names
+    # 2. tokenizers, trained on the training split under temporary names (a failed check made no --out directory)
+    out_dir.mkdir(parents=True, exist_ok=True)
     symbols = [lang_tag(lang) for lang in langs] if lang_tags else []
     train_kw = dict(user_symbols=symbols, max_sentences=max_sentences, num_threads=num_threads, seed=seed)
     names = {lang: "spm" if joint else f"spm.{lang}" for lang in langs}

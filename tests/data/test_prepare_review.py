@@ -89,3 +89,11 @@ def test_preparing_again_removes_what_the_earlier_preparation_wrote(raw: Path, t
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "meta.json", "notes.txt", "spm.model", "spm.vocab", "train.de.bin", "train.de.idx", "train.en.bin",
         "train.en.idx", "valid.de.bin", "valid.de.idx", "valid.en.bin", "valid.en.idx"]
+
+
+def test_a_failed_check_leaves_no_output_directory(raw: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: an empty --out directory was left behind by input that failed its checks."""
+    (raw / "valid.de").write_text("only one line\n", encoding="utf-8")
+    code, _, err = prepare_cli(tmp_path, capsys, "--vocab-size", "60")
+    assert code == 2 and "line-aligned" in err and not (tmp_path / "out").exists()

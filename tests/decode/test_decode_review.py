@@ -183,3 +183,25 @@ def test_a_dash_is_stdin_and_stdout(ckpt: str, tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"alpha\n\nbravo\n")))
     code, out, _ = run(["translate", ckpt, "-i", "-", "-o", "-", "--max-len-b", "1"], capsys)
     assert code == 0 and len(out.splitlines()) == 3 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command, message", [
+    (["score", "CKPT", "--src", "SRC", "--tgt", "REF", "--beam", "3"], "--beam: score computes log P"),
+    (["score", "CKPT", "--src", "SRC", "--tgt", "REF", "--greedy"], "--greedy: score computes log P"),
+    (["evaluate", "--perplexity", "CKPT", "--data", "DATA", "--ref", "REF"], "--ref: does not apply to --perplexity"),
+    (["evaluate", "--perplexity", "CKPT", "--data", "DATA", "--lenpen", "1"], "--lenpen: does not apply to"),
+    (["evaluate", "--hyp", "REF", "--ref", "REF", "--beam", "3"], "--beam: --hyp scores a file of translations"),
+    (["evaluate", "--hyp", "REF", "--ref", "REF", "--data", "DATA"], "--data: is for --perplexity"),
+    (["evaluate", "CKPT", "--src", "SRC", "--ref", "REF", "--nbest", "3", "--beam", "3"],
+     "--nbest 3: evaluate scores one translation per sentence"),
+])
+def test_options_a_command_would_ignore_are_errors(command: list[str], message: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: each ran with exit 0 and the option silently ignored (checked before any model is loaded)."""
+    (tmp_path / "src").write_text("a b\n")
+    (tmp_path / "ref").write_text("c d\n")
+    paths = {"CKPT": str(tmp_path / "missing.pt"), "SRC": str(tmp_path / "src"), "REF": str(tmp_path / "ref"),
+             "DATA": str(tmp_path)}
+    assert main([paths.get(a, a) for a in command]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
