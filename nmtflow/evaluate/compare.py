@@ -36,7 +36,7 @@ import yaml
 from nmtflow.config import Config, ConfigError, load_config, to_dict, yaml_dump
 from nmtflow.train.trainer import on_signals
 from nmtflow.evaluate.compare_job import (EXIT_INTERRUPTED, FINISHED, TRAINED, Interrupted, beyond_budget,
-                                          read_json, run_job, write_json)
+                                          is_trained, read_json, run_job, write_json)
 from nmtflow.evaluate.experiment import ExperimentConfig, load_experiment, parse_direction, resolve_config_path
 
 log = logging.getLogger("nmtflow.compare")
@@ -608,7 +608,9 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
         interrupted = any(s == "interrupted" for s, _, _ in status_of.values())
     else:
         for label, job in todo:
-            log.info("%s: training and decoding in %s", label, job["dir"])
+            trained = is_trained(job, read_json(Path(job["dir"]) / TRAINED))
+            log.info("%s: %s in %s", label, "trained earlier; decoding" if trained else "training and decoding",
+                     job["dir"])
             status_of[job["dir"]] = execute(job, exp.isolate)
             report(label, job, *status_of[job["dir"]])
             if status_of[job["dir"]][0] == "interrupted":

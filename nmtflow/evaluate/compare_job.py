@@ -99,8 +99,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trained = read_json(run_dir / TRAINED)
-    fingerprints = (job["fingerprint"], job.get("legacy", {}).get("fingerprint"))
-    if trained and trained.get("fingerprint") in fingerprints and trained.get("budget") == job["budget"]:
+    if is_trained(job, trained):
         if trained["fingerprint"] != job["fingerprint"]:  # recorded before the fingerprint left out decode
             trained["fingerprint"] = job["fingerprint"]
             write_json(run_dir / TRAINED, trained)
@@ -125,6 +124,12 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
                                     trained["cuda_peak_mb"] or 0.0) if cuda else None}
     write_json(run_dir / FINISHED, finished)
     return finished
+
+
+def is_trained(job: dict[str, Any], trained: dict[str, Any] | None) -> bool:
+    """Whether ``trained`` (a run's trained.json) records this job's training: only decoding is left."""
+    fingerprints = (job["fingerprint"], job.get("legacy", {}).get("fingerprint"))
+    return bool(trained) and trained.get("fingerprint") in fingerprints and trained.get("budget") == job["budget"]
 
 
 def checkpoint_to_decode(run_dir: Path, choice: str, average_last: int | None) -> tuple[Path, list[str]]:

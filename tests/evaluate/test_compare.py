@@ -334,7 +334,7 @@ def test_budget_must_be_positive_and_one_seed_shows_no_spread(compared) -> None:
     assert _fmt_score({"mean": 20.0, "std": 1.5, "n": 3}, 3) == "20.00 ± 1.50"
 
 
-def test_a_new_test_set_is_decoded_without_training_again(copied, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_test_set_is_decoded_without_training_again(copied, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     """Before: a test set added to data.splits changed the prepared data's key and every run had to train again
     (the comparison refused: "trained on data prepared with other settings")."""
     experiment, out = copied
@@ -344,7 +344,9 @@ def test_a_new_test_set_is_decoded_without_training_again(copied, monkeypatch: p
     kept = {f: (out / "data" / f).read_bytes() for f in ("spm.model", "train.en.bin", "valid.de.bin", "test.en.bin")}
     monkeypatch.setattr(compare_job, "train", no_training)
     added = ["data.splits.extra=extra", "test_sets=[test, extra]", "isolate=false"]
-    result = run_comparison(experiment, out=out, overrides=added)
+    with caplog.at_level(logging.INFO, logger="nmtflow.compare"):
+        result = run_comparison(experiment, out=out, overrides=added)
+    assert caplog.text.count("trained earlier; decoding in") == 2 and "training and decoding" not in caplog.text
     assert not result.failed
     for run in result.runs:
         assert run["status"] == "done" and run["updates"] == 10
