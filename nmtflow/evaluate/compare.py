@@ -362,7 +362,7 @@ def _test_digest(item: dict[str, Any]) -> str:
 
 
 def _eval_key(ev: dict[str, Any]) -> str:
-    """A hash of what a run's test decoding depends on (the test items by name)."""
+    """A hash of what a run's test decoding depends on (the test items by name, their contents' digests)."""
     key = {**ev, "items": [i["key"] for i in ev["items"]]}
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -386,12 +386,14 @@ def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
             # earlier versions decoded with the checkpoint's decode section, which their fingerprint pinned
             legacy = {"fingerprint": fingerprint(config_dict, legacy=True), "eval_key": _eval_key(ev)}
             ev["decode"] = config_dict.get("decode")  # the run's decode section: it may change after training
+            # the previous version's keys: the test sets' contents were not in them
+            previous = {"fingerprint": fp, "eval_key": _eval_key(ev)}
             ev["test_data"] = {item["key"]: _test_digest(item) for item in items}  # an edited test set: decode again
             jobs.append({"run": run.name, "seed": seed, "dir": str(run_dir), "config": str(run_dir / "run.yaml"),
                          "config_source": str(resolve_config_path(run.config, exp.file)),
                          "fingerprint": fp, "budget": to_dict(exp.budget), "eval": ev, "eval_key": _eval_key(ev),
-                         "legacy": legacy, "multilingual": multilingual, "device": config.train.device,
-                         "threads": exp.threads, "plugins": list(plugins or []), "_config": config_dict})
+                         "legacy": legacy, "previous": previous, "multilingual": multilingual,
+                         "device": config.train.device, "threads": exp.threads, "plugins": list(plugins or []), "_config": config_dict})
     return jobs
 
 
@@ -400,8 +402,11 @@ def finished_result(job: dict[str, Any]) -> dict[str, Any] | None:
     done = read_json(Path(job["dir"]) / FINISHED)
     if not done or done.get("budget") != job["budget"]:
         return None
-    for keys in (job, job.get("legacy") or {}):
+    for keys in (job, job.get("previous") or {}, job.get("legacy") or {}):
         if keys and all(done.get(k) == keys.get(k) for k in ("fingerprint", "eval_key")):
+            if keys is job.get("previous"):  # recorded before test-set digests: recorded with them from now on
+                done["eval_key"] = job["eval_key"]
+                write_json(Path(job["dir"]) / FINISHED, done)
             return done
     return None
 

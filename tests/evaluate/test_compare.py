@@ -423,3 +423,23 @@ def test_ensemble_decodes_each_runs_seeds_as_one_model(tmp_path: Path, caplog) -
     assert "was decoded earlier, skipped" in caplog.text and again.runs[0]["ensemble"] == ens
     with pytest.raises(ConfigError, match="ensemble: an ensemble of each run's seeds needs two or more seeds"):
         run_comparison(tmp_path / "ens.yaml", out=out, overrides=["seeds=[1]"])
+
+
+def test_runs_recorded_before_test_set_digests_are_skipped_and_upgraded(copied,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """finished.json of the previous version: its eval_key had the decode section but no test-set digests."""
+    experiment, out = copied
+    exp = load_experiment(experiment)
+    jobs = compare.plan_jobs(exp, out, compare.prepare_data(exp, out))
+    for job in jobs:
+        ev = {k: v for k, v in job["eval"].items() if k != "test_data"}
+        old_key = hashlib.sha1(json.dumps({**ev, "items": [i["key"] for i in ev["items"]]},
+                                          sort_keys=True).encode()).hexdigest()[:16]
+        assert old_key == job["previous"]["eval_key"] != job["eval_key"]
+        record = json.loads((Path(job["dir"]) / "finished.json").read_text(encoding="utf-8"))
+        (Path(job["dir"]) / "finished.json").write_text(json.dumps({**record, "eval_key": old_key}), encoding="utf-8")
+    monkeypatch.setattr(compare, "execute", lambda *a, **k: pytest.fail("a finished run was decoded again"))
+    result = run_comparison(experiment, out=out)
+    assert [r["status"] for r in result.runs] == ["done", "done"]
+    for job in jobs:
+        assert json.loads((Path(job["dir"]) / "finished.json").read_text())["eval_key"] == job["eval_key"]
