@@ -285,8 +285,10 @@ def _evaluate_perplexity(args: argparse.Namespace) -> None:
         raise ValueError("evaluate --perplexity needs a CHECKPOINT and --data DIR (a prepared directory)")
     result = checkpoint_perplexity(args.checkpoint, args.data, args.split, max_tokens=args.batch_tokens,
                                    device=resolve_device(args.device), src_lang=args.src_lang, tgt_lang=args.tgt_lang)
-    if args.json:
-        print(json.dumps(result))
+    if args.json:  # a diverged model's inf perplexity as null
+        from nmtflow.evaluate.metrics import json_safe
+
+        print(json.dumps(json_safe(result)))
     else:
         print(f"perplexity = {result['ppl']:.2f}  (nll {result['nll']:.4f} nats/token over {result['tokens']} "
               f"tokens, {result['sentences']} sentences of {args.split}, {result['direction']})")
@@ -312,8 +314,10 @@ def cmd_score(args: argparse.Namespace) -> None:
     if len(src) != len(tgt):
         raise ValueError(f"{args.src} has {len(src)} lines but {args.tgt} has {len(tgt)}")
     scores = _translator(args).score(src, tgt, files=(args.src, args.tgt))
-    if args.json:  # one JSON list: log P(target | source) of each line, in order
-        print(json.dumps(scores))
+    if args.json:  # one JSON list: log P(target | source) of each line, in order (NaN as null)
+        from nmtflow.evaluate.metrics import json_safe
+
+        print(json.dumps(json_safe(scores)))
         return
     for lp in scores:
         print(f"{lp:.4f}")

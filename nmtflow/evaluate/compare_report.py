@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 import os
 import platform
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 from nmtflow.config import to_dict
 from nmtflow.evaluate.compare_job import write_json
+from nmtflow.evaluate.metrics import json_safe
 from nmtflow.evaluate.experiment import ExperimentConfig
 
 log = logging.getLogger("nmtflow.compare")
@@ -233,20 +233,10 @@ def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]
                  ensemble_table(runs), ""]
     files = [out / "results.md", out / "results.json"]
     files[0].write_text("\n".join(header + body), encoding="utf-8")
-    write_json(files[1], _finite({"experiment": exp.name, "file": exp.file, "command": command, "date": date,
+    write_json(files[1], json_safe({"experiment": exp.name, "file": exp.file, "command": command, "date": date,
                                   "machine": machine, "settings": to_dict(exp), "runs": runs}))
     files += plot_comparison(out, runs)
     return files, runs
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def validation_curves(run: dict[str, Any], metric: str, kind: str = "valid") -> tuple[list[int], list[float]]:

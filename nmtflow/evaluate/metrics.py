@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import sacrebleu
 
@@ -37,3 +38,14 @@ def perplexity(nll_sum: float, tokens: int) -> float:
         return math.exp(nll_sum / max(tokens, 1))
     except OverflowError:
         return math.inf
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float as None: strict JSON (``json.dumps`` would write NaN, Infinity)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

@@ -152,6 +152,19 @@ def test_the_perplexity_of_a_diverged_model_is_inf() -> None:
     assert perplexity(1e6, 10) == float("inf") and perplexity(0.0, 0) == 1.0
 
 
+def test_json_outputs_are_strict_json() -> None:
+    """Before: `evaluate --perplexity --json` of a diverged model printed Infinity, `score --json` NaN."""
+    import json
+
+    from nmtflow.evaluate.metrics import json_safe
+
+    def no_constants(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    text = json.dumps(json_safe({"ppl": float("inf"), "scores": [float("nan"), -1.5], "n": (1, 2)}))
+    assert json.loads(text, parse_constant=no_constants) == {"ppl": None, "scores": [None, -1.5], "n": [1, 2]}
+
+
 class WordIds:
     """A stand-in tokenizer: each word is id 5, ids decode to their numbers."""
 
