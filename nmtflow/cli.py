@@ -406,19 +406,20 @@ def _analyze_bridge(args: argparse.Namespace) -> None:
 
 
 def _embedder(args: argparse.Namespace):
-    """(sentences, language) → embeddings of a multilingual checkpoint (SPEC §5)."""
+    """(sentences, language) → embeddings of a checkpoint (SPEC §5): a multilingual one in any of its languages, a
+    bilingual one in its source language (a bilingual bridge's M, or another encoder's mean states)."""
     from nmtflow.analysis.embeddings import sentence_embeddings
-    from nmtflow.decode.multilingual import load_multilingual
+    from nmtflow.decode.multilingual import MultilingualCheckpoint, is_multilingual, load_multilingual
+    from nmtflow.decode.translate import Translator
+    from nmtflow.train.checkpoint import load_checkpoint
     from nmtflow.train.trainer import resolve_device
 
-    from nmtflow.decode.multilingual import is_multilingual
-    from nmtflow.train.checkpoint import CheckpointError, load_checkpoint
-
     saved = load_checkpoint(args.checkpoint)
-    if not is_multilingual(saved):
-        raise CheckpointError(f"{args.checkpoint}: a bilingual checkpoint; sentence embeddings need a multilingual "
-                              "(bridge or language-label) checkpoint")
-    ckpt = load_multilingual(args.checkpoint, resolve_device(args.device), ckpt=saved)
+    if is_multilingual(saved):
+        ckpt = load_multilingual(args.checkpoint, resolve_device(args.device), ckpt=saved)
+    else:
+        translator = Translator.from_checkpoint(args.checkpoint, resolve_device(args.device), ckpt=saved)
+        ckpt = MultilingualCheckpoint.source_side(translator, (saved.get("langs") or {}).get("src") or "src")
     for option in ("lang", "test_lang", "lang2"):  # checked before any file is read or embedded
         lang = getattr(args, option, None)
         if lang is not None and lang not in ckpt.tokenizers:
@@ -584,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", help="TSV: source, correct translation, incorrect translations…")
     p.add_argument("--json", action="store_true")
 
-    p = sub.add_parser("embed", help="sentence embeddings of a multilingual model (the bridge's M, pooled) → .npy")
+    p = sub.add_parser("embed", help="sentence embeddings (a bridge's M, pooled; other encoders: mean states) → .npy")
     _embedding_options(p)
     p.add_argument("-i", "--input", required=True, help="sentences, one per line")
     p.add_argument("-o", "--output", required=True, help="output .npy: float32 (N, d_h) for mean, (N, k·d_h) for flat")

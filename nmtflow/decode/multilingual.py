@@ -42,11 +42,32 @@ class MultilingualCheckpoint:
         limit = position_limits(self.model.config)[0]
         return None if limit is None else max(0, limit - 1 - (self.source_prefix(tgt_lang) is not None))
 
+    @classmethod
+    def source_side(cls, translator: Translator, src_lang: str) -> "MultilingualCheckpoint":
+        """A bilingual checkpoint's encoder as a one-language checkpoint (``src_lang`` only): what sentence
+        embeddings read (a bilingual bridge's M, or any encoder's states)."""
+        return cls(_SourceEncoder(translator.model), {src_lang: translator.src_tokenizer},  # type: ignore[arg-type]
+                   translator.config, [], [])
+
     def translator(self, src_lang: str, tgt_lang: str, decode: DecodeConfig | None = None) -> Translator:
         """A :class:`Translator` for ``src_lang → tgt_lang`` (trained or zero-shot)."""
         src_tok, tgt_tok = self.tokenizer(src_lang), self.tokenizer(tgt_lang)
         return Translator(self.model.pair(src_lang, tgt_lang), src_tok, tgt_tok, decode or self.config.decode,
                           self.config, src_prefix=self.source_prefix(tgt_lang))
+
+
+class _SourceEncoder(torch.nn.Module):
+    """A bilingual model under the multilingual ``encode(src, lang=...)`` call (its one source language)."""
+
+    uses_language_tags = False
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+
+    def encode(self, src: torch.Tensor, lang: str | None = None) -> Any:
+        return self.inner.encode(src)
 
 
 def is_multilingual(ckpt: dict) -> bool:

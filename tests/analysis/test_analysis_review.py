@@ -188,3 +188,42 @@ def test_downstream_unknown_language_is_an_error_before_embedding(runs: dict[str
     assert code == 2
     err = one_line_error(capsys)
     assert "--test-lang xx" in err and runs["bridge"] in err and "src" in err
+
+
+def test_a_bilingual_checkpoint_embeds_its_source_language(runs: dict[str, Any], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: "a bilingual checkpoint; sentence embeddings need a multilingual checkpoint", though a bilingual
+    bridge's M is the paper's sentence embedding too (Vázquez et al. 2020 compare bilingual and multilingual M)."""
+    import torch
+
+    from nmtflow.data.batching import collate
+    from nmtflow.decode.translate import Translator
+    from nmtflow.models.rnn import masked_mean
+    from nmtflow.nn.bridge import pool_bridge
+    from nmtflow.train.trainer import Trainer
+
+    bridge = {"name": "bridge", "hidden_dim": 16, "encoder_layers": 1, "decoder_layers": 1, "bridge_heads": 3,
+              "bridge_dim": 8, "input_feeding": False}
+    data = {"path": runs["data"], "src_lang": "src", "tgt_lang": "tgt", "max_tokens": 400}
+    Trainer(load_config(data={"model": bridge, "data": data,
+                              "train": {**TRAIN, "save_dir": str(tmp_path / "bilingual-bridge")}})).train()
+    lines = (runs["raw"] / "valid.src").read_text(encoding="utf-8").splitlines()
+    for name, ckpt in (("transformer", runs["transformer"]), ("bridge", str(tmp_path / "bilingual-bridge" /
+                                                                             "checkpoint_last.pt"))):
+        out = tmp_path / f"{name}.npy"
+        assert main(["embed", ckpt, "--lang", "src", "-i", str(runs["raw"] / "valid.src"), "-o", str(out),
+                     "--device", "cpu"]) == 0
+        translator = Translator.from_checkpoint(ckpt)
+        src = collate([translator.src_tokenizer.encode(line) for line in lines], [[]] * len(lines)).src
+        with torch.no_grad():
+            enc = translator.model.encode(src)
+        expected = pool_bridge(enc["bridge"], "mean") if "bridge" in enc else masked_mean(enc["out"],
+                                                                                         enc["padding_mask"])
+        np.testing.assert_allclose(np.load(out), expected.numpy(), atol=1e-5)
+    capsys.readouterr()
+    assert main(["embed", runs["transformer"], "--lang", "tgt", "-i", str(runs["raw"] / "valid.src"), "-o",
+                 str(tmp_path / "x.npy"), "--device", "cpu"]) == 2
+    assert "--lang tgt" in one_line_error(capsys) and not (tmp_path / "x.npy").exists()
+    assert main(["embed", runs["transformer"], "--lang", "src", "--pooling", "flat", "-i",
+                 str(runs["raw"] / "valid.src"), "-o", str(tmp_path / "x.npy"), "--device", "cpu"]) == 2
+    assert "pooling 'flat' needs an attention bridge" in one_line_error(capsys)

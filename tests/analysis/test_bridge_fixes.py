@@ -151,9 +151,12 @@ def test_embed_errors_name_the_file_and_the_checkpoint_kind(runs: dict[str, Any]
     assert f"{empty}: no sentences to embed" in one_line_error(capsys)
     src = tmp_path / "in.en"
     src.write_text("the dog\n", encoding="utf-8")
-    assert main(["embed", runs["rnn"], "--lang", "en", "-i", str(src), "-o", str(tmp_path / "e.npy")]) == 2
+    # a bilingual checkpoint embeds its source language (its encoder's mean states), and only that
+    assert main(["embed", runs["rnn"], "--lang", "en", "-i", str(src), "-o", str(tmp_path / "e.npy")]) == 0
+    capsys.readouterr()
+    assert main(["embed", runs["rnn"], "--lang", "de", "-i", str(src), "-o", str(tmp_path / "d.npy")]) == 2
     err = one_line_error(capsys)
-    assert "multilingual (bridge or language-label) checkpoint" in err and "--src-lang" not in err
+    assert "--lang de:" in err and "(its languages: en)" in err and "--src-lang" not in err
 
 
 # ---- 5: downstream TSVs -----------------------------------------------------------------------------------
