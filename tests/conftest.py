@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -58,14 +59,26 @@ def tiny_config(data: Path, save_dir: Path, **train: object) -> "object":
     return load_config(data=raw)
 
 
-def padded_batch(vocab: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random (src, tgt) ids for 3 sentences; sources 2 and 3 padded after 6 and 4 tokens, targets start with BOS."""
+def padded_batch(vocab: int, seed: int = 1, pad_from: tuple[int, int] = (6, 4),
+                 tgt_len: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (src, tgt) ids for 3 sentences of 9 source tokens; sources 2 and 3 padded after ``pad_from`` tokens,
+    targets (``tgt_len``) start with BOS."""
     from nmtflow.data.vocab import BOS, PAD
 
     g = torch.Generator().manual_seed(seed)
     src = torch.randint(4, vocab, (3, 9), generator=g)
-    src[1, 6:] = PAD
-    src[2, 4:] = PAD
-    tgt = torch.randint(4, vocab, (3, 7), generator=g)
+    src[1, pad_from[0]:] = PAD
+    src[2, pad_from[1]:] = PAD
+    tgt = torch.randint(4, vocab, (3, tgt_len), generator=g)
     tgt[:, 0] = BOS
     return src, tgt
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny models run faster on one intra-op thread than on two (and spare a busy machine); a module opts in
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

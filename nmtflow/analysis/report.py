@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, Callable
+
+from nmtflow.evaluate.metrics import json_safe
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> None:
     """``result`` as indented JSON (NaN written as null), creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_finite(result), indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(json_safe(result), indent=2) + "\n", encoding="utf-8")
 
 
 def write_report(result: dict[str, Any], out_dir: str | Path, stem: str,
@@ -22,16 +23,6 @@ def write_report(result: dict[str, Any], out_dir: str | Path, stem: str,
     plot(result, files[1])
     result["files"] = [str(f) for f in files]
     return result
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def layer_table(models: dict[str, dict[str, list[float]]], sides: tuple[str, ...] = ("encoder", "decoder")) -> str:

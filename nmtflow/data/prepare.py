@@ -144,17 +144,7 @@ def prepare(
                                   + (f"{stem} has {', '.join(have)})" if have else f"no {stem}.* files there)"))
 
     # 1. validate every split before any expensive work
-    lines: dict[str, int] = {}
-    for split, paths in files.items():
-        n = 0
-        with tqdm(desc=f"check {split}", unit=" lines", disable=disable, leave=False) as bar:
-            for chunk in _chunks(iter_parallel(paths, allow_empty=(split == train_split)), 1 << 16):
-                n = chunk[-1][0]
-                bar.update(len(chunk))
-        lines[split] = n
-    for split, n in lines.items():
-        if n == 0:
-            raise CorpusError(files[split][0], f"the {'training' if split == train_split else split} split is empty")
+    lines = _check_splits(files, train_split, disable)
     # 2. tokenizers, trained on the training split under temporary names (a failed check made no --out directory)
     out_dir.mkdir(parents=True, exist_ok=True)
     symbols = [lang_tag(lang) for lang in langs] if lang_tags else []
@@ -186,10 +176,9 @@ def prepare(
                                    initializer=_init_worker, initargs=([str(toks[lang].path) for lang in langs],))
 
     def encoded_chunks(paths: list[Path], allow_empty: bool) -> Iterator[list[list[list[int]]]]:
-        columns = ([list(col) for col in zip(*map(itemgetter(1), chunk))]
-                   for chunk in _chunks(iter_parallel(paths, allow_empty=allow_empty), chunk_size))
         if pool is None:
-            return ([toks[lang].encode_batch(col) for lang, col in zip(langs, cols)] for cols in columns)
+            return _encoded_chunks(paths, [toks[lang] for lang in langs], allow_empty, chunk_size)
+        columns = _column_chunks(paths, allow_empty, chunk_size)
         return _ordered_map(lambda cols: pool.submit(_encode_columns, cols), columns, 2 * workers)
 
     splits_meta: dict[str, dict[str, int]] = {}
@@ -256,22 +245,14 @@ def add_splits(out_dir: str | Path, data_prefixes: Mapping[str, str | Path], *, 
                              "on it); prepare the corpus again instead")
     files = {split: [Path(f"{prefix}.{lang}") for lang in langs] for split, prefix in data_prefixes.items()}
     disable = None if progress else True
-    lines: dict[str, int] = {}
-    for split, paths in files.items():  # check everything before anything is written
-        n = 0
-        for n, _ in iter_parallel(paths, allow_empty=False):
-            pass
-        if n == 0:
-            raise CorpusError(paths[0], f"the {split} split is empty")
-        lines[split] = n
+    lines = _check_splits(files, train_split, disable)  # everything, before anything is written
     toks = {lang: load_tokenizer(out_dir, lang, meta) for lang in langs}
     staged: dict[str, str] = {}
     splits_meta: dict[str, dict[str, int]] = {}
     try:
         for split, paths in files.items():
             staged[split] = temporary = f"{split}~new{os.getpid()}"
-            chunks = ([toks[lang].encode_batch(list(col)) for lang, col in zip(langs, zip(*map(itemgetter(1), c)))]
-                      for c in _chunks(iter_parallel(paths, allow_empty=False), 10_000))
+            chunks = _encoded_chunks(paths, [toks[lang] for lang in langs], False, 10_000)
             splits_meta[split] = _binarize_split(temporary, paths, langs, toks, out_dir, chunks, is_train=False,
                                                  clean=CleanConfig(), total=lines[split], disable=disable)
     except BaseException:
@@ -290,6 +271,35 @@ def add_splits(out_dir: str | Path, data_prefixes: Mapping[str, str | Path], *, 
                                           for split, paths in files.items()}}
     _write_json_atomic(out_dir / META_FILE, meta)
     return meta
+
+
+def _check_splits(files: dict[str, list[Path]], train_split: str, disable: bool | None) -> dict[str, int]:
+    """Lines per split, after reading every file through :func:`iter_parallel` (UTF-8, alignment, and no empty
+    lines outside ``train_split``); an empty split is a CorpusError."""
+    lines: dict[str, int] = {}
+    for split, paths in files.items():
+        n = 0
+        with tqdm(desc=f"check {split}", unit=" lines", disable=disable, leave=False) as bar:
+            for chunk in _chunks(iter_parallel(paths, allow_empty=(split == train_split)), 1 << 16):
+                n = chunk[-1][0]
+                bar.update(len(chunk))
+        if n == 0:
+            raise CorpusError(paths[0], f"the {'training' if split == train_split else split} split is empty")
+        lines[split] = n
+    return lines
+
+
+def _column_chunks(paths: list[Path], allow_empty: bool, chunk_size: int) -> Iterator[list[list[str]]]:
+    """Chunks of ``chunk_size`` aligned rows as one list of lines per file."""
+    return ([list(col) for col in zip(*map(itemgetter(1), chunk))]
+            for chunk in _chunks(iter_parallel(paths, allow_empty=allow_empty), chunk_size))
+
+
+def _encoded_chunks(paths: list[Path], toks: list[Tokenizer], allow_empty: bool,
+                    chunk_size: int) -> Iterator[list[list[list[int]]]]:
+    """:func:`_column_chunks` encoded in this process, file i with ``toks[i]``."""
+    return ([tok.encode_batch(col) for tok, col in zip(toks, cols)]
+            for cols in _column_chunks(paths, allow_empty, chunk_size))
 
 
 def _remove_new_models(out_dir: Path, names: Iterable[str]) -> None:

@@ -31,7 +31,6 @@ from typing import Any
 
 from nmtflow.config import PRESETS_DIR, ConfigError, apply_overrides, coerce, parse_override, read_yaml
 
-REPO_CONFIGS = PRESETS_DIR
 # keys the experiment sets for every run (the budget must be equal; seeds and data are the experiment's)
 RESERVED_KEYS = ("train.max_updates", "train.max_epochs", "train.max_minutes", "train.seed", "train.save_dir",
                  "data.path", "data.src_lang", "data.tgt_lang", "data.train_split", "data.valid_split")
@@ -288,7 +287,7 @@ def resolve_config_path(spec: str, experiment_file: str | Path) -> Path:
         candidates = [path if path.is_absolute() else here / path]
     else:
         candidates = list(dict.fromkeys([here / f"{spec}.yaml", Path("configs") / f"{spec}.yaml",
-                                         REPO_CONFIGS / f"{spec}.yaml"]))
+                                         PRESETS_DIR / f"{spec}.yaml"]))
     for candidate in candidates:
         if candidate.is_file():
             return candidate

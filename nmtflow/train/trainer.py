@@ -85,7 +85,7 @@ class Trainer:
         self.config = config
         tc = config.train
         if tc.patience is not None and not tc.validate_every:  # here, not in TrainConfig: old checkpoints still load
-            raise ConfigError(f"train.patience: early stopping counts scheduled validations, but train.validate_every "
+            raise ConfigError("train.patience: early stopping counts scheduled validations, but train.validate_every "
                               "is 0 (never); set validate_every, or patience: null")
         keep_freed_memory()
         if tc.threads:
@@ -151,7 +151,7 @@ class Trainer:
             _StepModule(self.model), device_ids=[self.device.index] if self.device.type == "cuda" else None,
             find_unused_parameters=self.find_unused_parameters)
         if self.dist.is_main:
-            (self.save_dir / "config.yaml").write_text(_yaml(to_dict(config)), encoding="utf-8")
+            (self.save_dir / "config.yaml").write_text(yaml_dump(to_dict(config)), encoding="utf-8")
 
     def clear_previous_run(self) -> None:
         """A fresh start (``--restart``, or a save dir without checkpoints): remove the earlier run's checkpoints,
@@ -689,6 +689,3 @@ def on_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
         for sig, h in previous.items():
             signal.signal(sig, h)
 
-
-def _yaml(data: dict[str, Any]) -> str:
-    return yaml_dump(data)  # strings such as 1e3 quoted: `nmtflow train SAVE_DIR/config.yaml` reads them back

@@ -4,7 +4,7 @@ batches, causality and caches of the remaining variants, beam pruning, bf16 auto
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -13,19 +13,14 @@ from nmtflow.config import ConfigError, load_config
 from nmtflow.data.vocab import BOS, EOS, PAD
 from nmtflow.decode.search import beam_search, sequence_logprobs
 from nmtflow.models.base import Vocabularies, build_model
+from tests.conftest import padded_batch
+from tests.models.test_convs2s import TINY, V
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models run faster on one intra-op thread than on two (and spare a busy machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-V = 40
-CONV = dict(embed_dim=32, hidden=32, growth=16, encoder_layers=2, decoder_layers=2, dropout=0.1)
+CONV = TINY
 
 
 def phrasal_slots(ngrams: list[int]) -> dict[str, Any]:
@@ -53,13 +48,7 @@ def make(variant: str, seed: int = 0) -> torch.nn.Module:
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     """Sources of 9, 6 and 2 tokens (the last shorter than every n-gram of size 3 and 4); targets start with BOS."""
-    g = torch.Generator().manual_seed(1)
-    src = torch.randint(4, V, (3, 9), generator=g)
-    src[1, 6:] = PAD
-    src[2, 2:] = PAD
-    tgt = torch.randint(4, V, (3, 8), generator=g)
-    tgt[:, 0] = BOS
-    return src, tgt
+    return padded_batch(V, seed=1, pad_from=(6, 2), tgt_len=8)
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:

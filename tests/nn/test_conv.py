@@ -1,21 +1,13 @@
 """GLU convolutions: causality, the incremental cache, padding, weight normalisation."""
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 import torch
 
 from nmtflow.nn.conv import GLUConv
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny models run faster on one intra-op thread than on two (and spare a busy machine)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(causal: bool, kernel: int = 3, weight_norm: bool = False, seed: int = 0) -> GLUConv:

@@ -15,6 +15,7 @@ from nmtflow.decode.search import beam_search, greedy_search, sequence_logprobs
 from nmtflow.models.base import Vocabularies, build_model
 from nmtflow.nn.attention import AttentionContext, MultiHeadAttention
 from nmtflow.nn.phrasal import PhrasalAttention, PhrasalOptions, phrase_counts, split_phrasal_weights
+from tests.conftest import padded_batch
 
 REPO = Path(__file__).resolve().parents[2]
 D, H = 16, 2
@@ -180,13 +181,7 @@ def transformer(ngrams: list[int], seed: int = 0) -> torch.nn.Module:
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    src = torch.randint(4, V, (3, 9), generator=g)
-    src[1, 6:] = PAD
-    src[2, 2:] = PAD
-    tgt = torch.randint(4, V, (3, 7), generator=g)
-    tgt[:, 0] = BOS
-    return src, tgt
+    return padded_batch(V, seed=3, pad_from=(6, 2))
 
 
 @pytest.mark.parametrize("ngrams", [[1, 2], [1, 2, 3]])

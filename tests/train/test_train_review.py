@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nmtflow.cli import main
-from nmtflow.config import ConfigError, load_config, to_dict, yaml_load
+from nmtflow.config import ConfigError, load_config, to_dict, yaml_dump, yaml_load
 from nmtflow.train.checkpoint import FORMAT, CheckpointError, average_checkpoints, load_checkpoint, save_atomic
-from nmtflow.train.trainer import _yaml, resolve_device
+from nmtflow.train.trainer import resolve_device
 
 TINY = "model: {name: transformer, d_model: 32, ffn_dim: 64, heads: 2, encoder_layers: 1, decoder_layers: 1}\n"
 
@@ -53,7 +53,7 @@ def test_a_bad_value_names_the_base_file_or_override_that_set_it(tmp_path: Path)
 def test_a_runs_config_yaml_reads_back_strings_that_look_like_numbers(tmp_path: Path) -> None:
     config = load_config(write(tmp_path / "c.yaml", TINY), ["train.save_dir='5e-4'", "data.tgt_lang='1e3'",
                                                            "data.src_lang='no'"])
-    again = load_config(data=yaml_load(_yaml(to_dict(config))))  # what the trainer writes as config.yaml
+    again = load_config(data=yaml_load(yaml_dump(to_dict(config))))  # what the trainer writes as config.yaml
     assert again == config and again.train.save_dir == "5e-4" and again.data.tgt_lang == "1e3"
 
 
