@@ -68,20 +68,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu-profile.json"))
     p.add_argument("--top", type=int, default=8, help="heaviest kernels listed per system")
     add_common_args(p, warmup=5, steps=5, rounds=None)
+    p.set_defaults(device="cuda")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device")
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        p.error(f"--device {args.device}: profiles CUDA kernels, give cuda or cuda:N")
     if args.steps < 1:
         p.error("--steps must be >= 1")
     torch.set_num_threads(args.threads)
-    device = torch.device("cuda")
+    torch.cuda.set_device(device)  # cuda:N, not the first GPU
     work = args.work or default_work(args)
     vocab = prepared_data(args, work)
     batches = training_batches(work, args, args.warmup + args.steps, device)
     result: dict[str, Any] = {"config": {"preset": args.preset, "layers": args.layers, "precision": args.precision,
                                          "max_tokens": args.max_tokens, "vocab_size": vocab, "steps": args.steps,
                                          "threads": torch.get_num_threads(),
-                                         "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}}
+                                         "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device)}}
     systems = build_systems(args, vocab, device)
     warm, timed = batches[:args.warmup], batches[args.warmup:]
     _, _, steps = timed_training(systems, warm, timed, args.rounds or len(timed), device)  # default: batch by batch

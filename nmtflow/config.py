@@ -451,6 +451,9 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = (),
     return data
 
 
+SECTIONS = ("model", "data", "train", "decode")  # a config's top-level keys
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``train.max_updates=100`` → (["train", "max_updates"], 100) with YAML typing of the value."""
     if "=" not in text:
@@ -467,6 +470,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str],
     data = dict(data)
     for text in overrides:
         keys, value = parse_override(text)
+        if len(keys) == 1 and value is None and keys[0] in SECTIONS:  # `model=null` would silently rebuild the default Transformer
+            raise ConfigError(f"override {text!r}: {keys[0]!r} is a section, not a value; set its keys "
+                              f"({keys[0]}.KEY=VALUE)")
         if origins is not None:
             _record_origins({keys[-1]: value}, f"override {text!r}", origins, tuple(keys[:-1]))
         node = data
@@ -490,7 +496,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     from nmtflow.models.base import ModelConfig  # resolves the registered model config class
 
     raw.setdefault("model", {"name": "transformer"})
-    hints = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "decode": DecodeConfig}
+    hints = dict(zip(SECTIONS, (ModelConfig, DataConfig, TrainConfig, DecodeConfig)))
     unknown = [k for k in raw if k not in hints]
     if unknown:
         source = origins.get((str(unknown[0]),), where)

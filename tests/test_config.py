@@ -87,6 +87,10 @@ def test_bad_override_values_are_config_errors() -> None:
                               ("model.encoder_self_attention.type=[x]", "unknown attention")):
         with pytest.raises(ConfigError, match=message):
             load_config(small, [override])
+    for section in ("model", "train"):  # `model=null` rebuilt the default Transformer, `train=null` default training
+        with pytest.raises(ConfigError, match=f"override '{section}=null': '{section}' is a section"):
+            load_config(small, [f"{section}=null"])
+    assert load_config(small, ["data.multilingual=null"]).data.multilingual is None  # a null value stays one
 
 
 @pytest.mark.parametrize("override, key", [

@@ -193,7 +193,7 @@ def test_a_sentence_longer_than_the_model_stops_training_before_it_starts(tmp_pa
     config = tiny_config(tmp_path / "data", tmp_path / "run", max_updates=1, threads=1)
     config.model.max_positions = 128
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(to_dict(config)), encoding="utf-8")
-    err = one_line_error(["train", str(tmp_path / "run.yaml")], f"valid.src:7: a sentence of ", capsys)
+    err = one_line_error(["train", str(tmp_path / "run.yaml")], "valid.src:7: a sentence of ", capsys)
     assert "max_positions=128" in err and not (tmp_path / "run" / "checkpoint_last.pt").exists()
     # a training row: named by its row (prepare filters the training text, so rows are not lines)
     err = one_line_error(["train", str(tmp_path / "run.yaml"), "--set", "data.train_split=valid",

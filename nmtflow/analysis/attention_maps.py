@@ -240,6 +240,9 @@ def run_attention_analysis(checkpoint: str | Path, out_dir: str | Path, *, src: 
     """
     if src is None and tgt is None and data is None:
         raise ValueError("analyze attention needs --src/--tgt sentences and/or --data DIR")
+    for option, sentence in (("--src", src), ("--tgt", tgt)):
+        if sentence is not None and not sentence.strip():  # the maps would show EOS (or BOS) alone
+            raise ValueError(f"analyze attention: {option} is empty; give a sentence to draw")
     check_limits(max_sentences, max_tokens)
     translator = open_translator(checkpoint, device, src_lang, tgt_lang)
     model, out = translator.model, Path(out_dir)

@@ -88,6 +88,9 @@ def plan_directions(prepared: Sequence[str], cfg: MultilingualConfig) -> tuple[l
     zero_shot = parse_directions("zero_shot", cfg.zero_shot)
     if cfg.pairs:
         train = parse_directions("pairs", cfg.pairs)
+        both = [d for d in train if d in zero_shot]
+        if both:  # held out without a word, before
+            raise ConfigError(f"data.multilingual: {both[0]} is in both pairs (trained) and zero_shot (held out)")
     else:
         train = [Direction(s, t) for s, t in itertools.permutations(langs, 2)]
     if cfg.copy_pairs:

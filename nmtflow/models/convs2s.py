@@ -92,6 +92,9 @@ class ConvS2SConfig(ModelConfig):
             raise ConfigError(f"{where}.dropout: must be in [0, 1), got {self.dropout}")
         if self.max_positions < 1:
             raise ConfigError(f"{where}.max_positions: must be positive, got {self.max_positions}")
+        if self.layer_groups is not None and not self.layer_groups:
+            raise ConfigError(f"{where}.layer_groups: empty; give at least one [count, width, kernel] group, or null "
+                              "to build encoder_layers and decoder_layers layers")
         for i, (count, width, kernel) in enumerate(self.layer_groups or []):
             if min(count, width, kernel) < 1:
                 raise ConfigError(f"{where}.layer_groups[{i}]: count, width and kernel must be positive, "

@@ -68,6 +68,17 @@ def test_attention_of_a_model_without_attention_modules_is_an_error(runs: dict[s
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("sentence", [["--src", " "], ["--src", "alpha", "--tgt", ""]])
+def test_attention_of_an_empty_sentence_is_an_error(sentence: list[str], runs: dict[str, Any], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: heat maps of EOS (or BOS) alone."""
+    code = main(["analyze", "attention", runs["transformer"], *sentence, "--out", str(tmp_path / "out"),
+                 "--device", "cpu"])
+    assert code == 2
+    assert f"{sentence[-2]} is empty" in one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("value", ["0", "-1"])
 @pytest.mark.parametrize("kind", ["attention", "length-bleu", "bridge-entropy"])
 def test_max_sentences_below_one_is_an_error(kind: str, value: str, runs: dict[str, Any], tmp_path: Path,

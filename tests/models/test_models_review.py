@@ -68,6 +68,13 @@ def test_an_even_encoder_kernel_is_an_error_naming_its_option(model: dict[str, A
         load_config(data={"model": {**CONV, **model}})
 
 
+@pytest.mark.parametrize("name", ["convs2s", "densenmt"])
+def test_empty_layer_groups_are_an_error_not_the_default_layout(name: str) -> None:
+    """``layer_groups: []`` used to fall back silently to ``encoder_layers`` × ``hidden``."""
+    with pytest.raises(ConfigError, match="model.layer_groups: empty"):
+        load_config(data={"model": {**CONV, "name": name, "layer_groups": []}})
+
+
 def test_kernel_size_is_not_checked_where_layer_groups_replace_it() -> None:
     cfg = load_config(data={"model": {**CONV, "name": "convs2s", "kernel_size": 2, "layer_groups": [(1, 16, 3)]}})
     assert cfg.model.specs(1, False) == [(16, 3)]

@@ -65,6 +65,8 @@ def test_malformed_directions_name_their_option() -> None:
         open_directions("unused", "train", [Direction("en", "de")], max_sentences={"en_de": 3})
     with pytest.raises(ConfigError, match="copy_pairs: true trains en-en"):
         plan_directions(["en", "de"], MultilingualConfig(langs=["en"]))
+    with pytest.raises(ConfigError, match="en-de is in both pairs .trained. and zero_shot"):  # was held out silently
+        plan_directions(["en", "de"], MultilingualConfig(pairs=["de-en", "en-de"], zero_shot=["en-de"]))
 
 
 def test_a_language_label_model_needs_a_backbone_that_reads_the_source() -> None:
