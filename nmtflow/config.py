@@ -507,12 +507,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return Config(**{k: from_dict(tp, raw.get(k), f"{where}: {k}") for k, tp in hints.items()})
     except ConfigError as exc:
-        raise ConfigError(_name_origin(str(exc), where, origins)) from None
+        raise ConfigError(name_origin(str(exc), where, origins)) from None
     finally:
         _ORIGINS.reset(token)
 
 
-def _name_origin(message: str, where: str, origins: dict[tuple[str, ...], str]) -> str:
+def name_origin(message: str, where: str, origins: dict[tuple[str, ...], str]) -> str:
     """``message`` (``WHERE: a.b.c: problem``) naming the base file or override that set ``a.b.c`` instead of WHERE."""
     if not message.startswith(where + ": "):
         return message  # already names its origin (an unknown key) or no key

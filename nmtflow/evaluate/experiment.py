@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nmtflow.config import PRESETS_DIR, ConfigError, apply_overrides, coerce, parse_override, read_yaml
+from nmtflow.config import (PRESETS_DIR, ConfigError, apply_overrides, coerce, name_origin, parse_override,
+                            read_yaml)
 
 # keys the experiment sets for every run (the budget must be equal; seeds and data are the experiment's)
 RESERVED_KEYS = ("train.max_updates", "train.max_epochs", "train.max_minutes", "train.seed", "train.save_dir",
@@ -263,17 +264,22 @@ def _default_mapping(raw: dict[str, Any], keys: list[str], cls: type | None = No
 def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read, override (``a.b=c``) and type-check an experiment file; errors name the file and key."""
     path = Path(path)
-    raw = read_yaml(path)
+    origins: dict[tuple[str, ...], str] = {}  # key path → the file or override that set it, for errors
+    raw = read_yaml(path, origins=origins)
     for text in overrides or []:
         _default_mapping(raw, parse_override(text)[0])
-    raw = apply_overrides(raw, list(overrides or []))
+    raw = apply_overrides(raw, list(overrides or []), origins)
     hints = typing.get_type_hints(ExperimentConfig)
     known = [f.name for f in dataclasses.fields(ExperimentConfig) if f.init]
     unknown = [k for k in raw if k not in known]
     if unknown:
-        raise ConfigError(f"{path}: unknown key {unknown[0]!r} (known: base, {', '.join(known)})")
-    exp = ExperimentConfig(**{k: coerce(hints[k], v, f"{path}: {k}") for k, v in raw.items()})
-    exp.validate(str(path))
+        source = origins.get((str(unknown[0]),), str(path))
+        raise ConfigError(f"{source}: unknown key {unknown[0]!r} (known: base, {', '.join(known)})")
+    try:
+        exp = ExperimentConfig(**{k: coerce(hints[k], v, f"{path}: {k}") for k, v in raw.items()})
+        exp.validate(str(path))
+    except ConfigError as exc:
+        raise ConfigError(name_origin(str(exc), str(path), origins)) from None
     exp.name = exp.name or path.stem
     exp.file = str(path)
     return exp

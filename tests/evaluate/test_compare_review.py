@@ -2,6 +2,7 @@
 a comparison's, and why a killed run failed. None of these tests trains a model."""
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -33,11 +34,19 @@ def experiment(tmp_path: Path) -> Path:
     ("devices=[cpu, gpu0]", r"devices\[1\]: expected auto, cpu, cuda, cuda:N or mps, got 'gpu0'"),
     ("threads=0", r"threads: must be >= 1"),
 ])
-def test_settings_that_failed_after_training_are_errors_of_the_file(experiment: Path, override: str,
-                                                                    message: str) -> None:
-    """These trained every run, then failed to decode (or crashed writing the report: device=tpu)."""
-    with pytest.raises(ConfigError, match=rf"tiny\.yaml: {message}"):
+def test_settings_that_failed_after_training_are_errors_naming_where_they_were_set(experiment: Path,
+                                                                                    override: str,
+                                                                                    message: str) -> None:
+    """These trained every run, then failed to decode (or crashed writing the report: device=tpu). The error
+    names the override that set the value (it named the experiment file), or the file where the file set it."""
+    with pytest.raises(ConfigError, match=rf"^override '{re.escape(override)}': {message}"):
         load_experiment(experiment, [override])
+
+
+def test_a_bad_value_set_by_the_file_names_the_file(experiment: Path) -> None:
+    experiment.write_text(experiment.read_text(encoding="utf-8") + "devices: [cpu, gpu0]\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(experiment))}: devices\[1\]: expected auto"):
+        load_experiment(experiment, ["parallel=2"])
 
 
 @pytest.mark.parametrize("override, message", [
