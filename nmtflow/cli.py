@@ -234,12 +234,24 @@ def _refuse(args: argparse.Namespace, options: Iterable[str], why: str) -> None:
 
 @command
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from nmtflow.evaluate.metrics import bleu, chrf
+    from nmtflow.evaluate.metrics import METRICS, check_tokenizer, corpus_scores
 
     if args.perplexity:
-        _refuse(args, ("hyp", "src", "ref", "output", *SEARCH_OPTIONS), "does not apply to --perplexity (teacher-forced "
-                "scoring of --data's split; nothing is translated)")
+        _refuse(args, ("hyp", "src", "ref", "output", "lowercase", *SEARCH_OPTIONS), "does not apply to --perplexity "
+                "(teacher-forced scoring of --data's split; nothing is translated)")
+        if args.metrics != ["bleu", "chrf"] or args.tokenize != "13a":
+            raise ValueError(f"{'--metrics' if args.metrics != ['bleu', 'chrf'] else '--tokenize'}: does not apply "
+                             "to --perplexity (nothing is translated)")
         return _evaluate_perplexity(args)
+    unknown = [m for m in args.metrics if m not in METRICS]
+    if unknown:
+        raise ValueError(f"--metrics: unknown {unknown[0]!r} (known: {', '.join(METRICS)})")
+    if args.tokenize != "13a" and "bleu" not in args.metrics:
+        raise ValueError("--tokenize: sets BLEU's tokenizer, but --metrics has no bleu")
+    try:
+        check_tokenizer(args.tokenize)  # before anything is translated
+    except ValueError as exc:
+        raise ValueError(f"--tokenize: {exc}") from None
     _refuse(args, ("data",), "is for --perplexity; BLEU and chrF score --hyp, or CHECKPOINT's translations of --src")
     if args.hyp:
         _refuse(args, SEARCH_OPTIONS, "--hyp scores a file of translations: nothing is searched")
@@ -252,12 +264,13 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
                          "give one or the other")
     if not (args.hyp or (args.checkpoint and args.src)):
         raise ValueError("evaluate needs --hyp FILE, or a CHECKPOINT with --src FILE")
-    refs = _read_lines(args.ref)
+    refs = [_read_lines(path) for path in args.ref]
     lines = _read_lines(args.hyp or args.src)
-    if len(lines) != len(refs):  # before any translation
-        raise ValueError(f"{args.hyp or args.src} has {len(lines)} lines but {args.ref} has {len(refs)}")
-    if not refs:
-        raise ValueError(f"{args.ref} is empty: no sentences to score")
+    for path, stream in zip(args.ref, refs):
+        if len(lines) != len(stream):  # before any translation
+            raise ValueError(f"{args.hyp or args.src} has {len(lines)} lines but {path} has {len(stream)}")
+    if not lines:
+        raise ValueError(f"{args.ref[0]} is empty: no sentences to score")
     if args.hyp:
         hyps = lines
     else:
@@ -269,7 +282,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         if args.output:
             with output_file(args.output) as out:
                 out.write("".join(h + "\n" for h in hyps))
-    scores = [bleu(hyps, refs), chrf(hyps, refs)]
+    scores = corpus_scores(hyps, refs, args.metrics, tokenize=args.tokenize, lowercase=args.lowercase)
     if args.json:
         print(json.dumps({s.name: {"score": round(s.score, 2), "signature": s.signature} for s in scores}))
     else:
@@ -566,11 +579,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="output file (default or -: stdout)")
     p.add_argument("--unbuffered", action="store_true", help="translate and flush each stdin line at once")
 
-    p = sub.add_parser("evaluate", help="sacreBLEU BLEU and chrF (of a file, or of a checkpoint's translations)")
+    p = sub.add_parser("evaluate", help="sacreBLEU BLEU, chrF, chrF++, TER (of a file, or of a checkpoint's "
+                       "translations)")
     _decode_options(p)
     p.add_argument("--hyp", help="hypotheses file")
     p.add_argument("--src", help="source file to translate with CHECKPOINT")
-    p.add_argument("--ref", help="reference file (BLEU, chrF)")
+    p.add_argument("--ref", nargs="+", metavar="REF", help="reference file(s): several are references of the same "
+                   "lines (multi-reference scores)")
+    p.add_argument("--metrics", nargs="+", default=["bleu", "chrf"], metavar="METRIC",
+                   help="bleu, chrf, chrf++, ter (default: bleu chrf)")
+    p.add_argument("--tokenize", default="13a", help="sacreBLEU's BLEU tokenizer: 13a (default), intl, zh, char, "
+                   "none, ja-mecab, ko-mecab, flores101, flores200 (the last four need extras or a download)")
+    p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF (TER always is)")
     p.add_argument("--perplexity", action="store_true",
                    help="instead: perplexity of CHECKPOINT on --data DIR --split NAME (teacher-forced)")
     p.add_argument("--data", help="prepared data directory, for --perplexity")

@@ -383,6 +383,8 @@ def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
             items = decode_items(exp, data, multilingual)
             ev = {"checkpoint": exp.checkpoint, "average_last": exp.average_last,
                   "search": exp.decode.search_overrides(), "max_sentences": exp.decode.max_sentences, "items": items}
+            if exp.bleu_tokenize != "13a":  # in the key only where set: 13a runs keep their earlier keys
+                ev["bleu_tokenize"] = exp.bleu_tokenize
             # earlier versions decoded with the checkpoint's decode section, which their fingerprint pinned
             legacy = {"fingerprint": fingerprint(config_dict, legacy=True), "eval_key": _eval_key(ev)}
             ev["decode"] = config_dict.get("decode")  # the run's decode section: it may change after training

@@ -14,6 +14,7 @@ averaging, decode settings and test sets::
     seeds: [1, 2, 3]
     ensemble: true                                                 # also decode each run's seeds as one model
     bootstrap_samples: 1000                                        # paired bootstrap vs the first run (0: off)
+    bleu_tokenize: 13a                                             # sacreBLEU's BLEU tokenizer (zh, char, ...)
     average_last: 5
     decode: {beam_size: 5}
     test_sets: [valid]
@@ -173,6 +174,7 @@ class ExperimentConfig:
     test_sets: list[str] = field(default_factory=lambda: ["test"])  # split names (keys of data.splits)
     ensemble: bool = False  # also decode each run's seeds as one ensemble (needs two or more seeds)
     bootstrap_samples: int = 1000  # paired bootstrap resampling of each run's BLEU against the first run (0: none)
+    bleu_tokenize: str = "13a"  # sacreBLEU's BLEU tokenizer for test BLEU and its significance (zh, ja-mecab, ...)
     device: str = "auto"
     threads: int | None = None  # torch CPU threads of each run (training and decoding)
     isolate: bool = True  # train and decode each run in its own process
@@ -196,6 +198,13 @@ class ExperimentConfig:
         if self.bootstrap_samples < 0:
             raise ConfigError(f"{where}: bootstrap_samples: must be >= 0 (0: no significance test), got "
                               f"{self.bootstrap_samples}")
+        if self.bleu_tokenize != "13a":
+            from nmtflow.evaluate.metrics import check_tokenizer
+
+            try:
+                check_tokenizer(self.bleu_tokenize)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: bleu_tokenize: {exc}") from None
         if self.average_last is not None and self.average_last < 1:
             raise ConfigError(f"{where}: average_last: must be >= 1 (or null for no averaging)")
         choice = self.decode.checkpoint

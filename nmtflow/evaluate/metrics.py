@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import sacrebleu
@@ -18,18 +19,61 @@ class Score:
         return f"{self.name} = {self.score:.2f}  ({self.signature})"
 
 
-def bleu(hypotheses: list[str], references: list[str], *, tokenize: str = "13a", lowercase: bool = False) -> Score:
-    """Cased, detokenised corpus BLEU (13a tokenisation by default)."""
-    metric = sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=lowercase)
-    result = metric.corpus_score(hypotheses, [references])
+BLEU_TOKENIZERS: tuple[str, ...] = tuple(sacrebleu.metrics.BLEU.TOKENIZERS)  # 13a, intl, zh, ja-mecab, char, ...
+METRICS = ("bleu", "chrf", "chrf++", "ter")
+
+
+def _metric(make: Callable[[], Any], what: str) -> Any:
+    """sacreBLEU's metric object, or a one-line error when its tokeniser cannot be set up here (ja-mecab without
+    its package, flores200 without the network)."""
+    try:
+        return make()
+    except Exception as exc:  # noqa: BLE001 - sacreBLEU raises anything from ImportError to HTTP errors
+        raise ValueError(f"{what}: sacreBLEU cannot set it up here ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())})") from None
+
+
+def check_tokenizer(tokenize: str) -> None:
+    """A ValueError now, before anything is translated, for a BLEU tokenizer sacreBLEU lacks or cannot set up."""
+    if tokenize not in BLEU_TOKENIZERS:
+        raise ValueError(f"unknown BLEU tokenizer {tokenize!r} (sacreBLEU's: {', '.join(BLEU_TOKENIZERS)})")
+    _metric(lambda: sacrebleu.metrics.BLEU(tokenize=tokenize), f"BLEU tokenizer {tokenize!r}")
+
+
+def bleu(hypotheses: list[str], *references: list[str], tokenize: str = "13a", lowercase: bool = False) -> Score:
+    """Detokenised corpus BLEU against one or more reference streams (cased, 13a tokenisation by default)."""
+    metric = _metric(lambda: sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=lowercase),
+                     f"BLEU tokenizer {tokenize!r}")
+    result = metric.corpus_score(hypotheses, list(references))
     return Score("BLEU", result.score, str(metric.get_signature()))
 
 
-def chrf(hypotheses: list[str], references: list[str]) -> Score:
-    """chrF2 (character n-gram F-score, β = 2)."""
-    metric = sacrebleu.metrics.CHRF()
-    result = metric.corpus_score(hypotheses, [references])
-    return Score("chrF2", result.score, str(metric.get_signature()))
+def chrf(hypotheses: list[str], *references: list[str], word_order: int = 0, lowercase: bool = False) -> Score:
+    """chrF2 (character n-gram F-score, β = 2); ``word_order=2``: chrF++ (word uni- and bigrams too)."""
+    metric = sacrebleu.metrics.CHRF(word_order=word_order, lowercase=lowercase)
+    result = metric.corpus_score(hypotheses, list(references))
+    return Score("chrF2" + "+" * word_order, result.score, str(metric.get_signature()))
+
+
+def ter(hypotheses: list[str], *references: list[str]) -> Score:
+    """Translation edit rate (Snover et al. 2006), in percent, lower is better; case-insensitive, as sacreBLEU's
+    default (its signature says ``case:lc``)."""
+    metric = sacrebleu.metrics.TER()
+    result = metric.corpus_score(hypotheses, list(references))
+    return Score("TER", result.score, str(metric.get_signature()))
+
+
+def corpus_scores(hypotheses: list[str], references: list[list[str]], metrics: Sequence[str] = ("bleu", "chrf"), *,
+                  tokenize: str = "13a", lowercase: bool = False) -> list[Score]:
+    """``metrics`` (names from METRICS) of ``hypotheses`` against every stream in ``references``."""
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise ValueError(f"unknown metric {unknown[0]!r} (known: {', '.join(METRICS)})")
+    make = {"bleu": lambda: bleu(hypotheses, *references, tokenize=tokenize, lowercase=lowercase),
+            "chrf": lambda: chrf(hypotheses, *references, lowercase=lowercase),
+            "chrf++": lambda: chrf(hypotheses, *references, word_order=2, lowercase=lowercase),
+            "ter": lambda: ter(hypotheses, *references)}
+    return [make[m]() for m in dict.fromkeys(metrics)]
 
 
 def perplexity(nll_sum: float, tokens: int) -> float:

@@ -17,9 +17,9 @@ from nmtflow.data.corpus import read_lines
 
 
 def paired_bootstrap(baseline: list[str], systems: dict[str, list[str]], refs: list[str],
-                     samples: int) -> dict[str, dict[str, float]]:
+                     samples: int, tokenize: str = "13a") -> dict[str, dict[str, float]]:
     """{system: {"bleu", "baseline_bleu", "delta", "p_value"}} of each system against ``baseline`` (sacreBLEU
-    ``PairedTest``, bootstrap, ``samples`` resamples, its fixed resampling seed)."""
+    ``PairedTest``, bootstrap, ``samples`` resamples, its fixed resampling seed; BLEU with ``tokenize``)."""
     from sacrebleu.metrics import BLEU
     from sacrebleu.significance import PairedTest
 
@@ -27,7 +27,7 @@ def paired_bootstrap(baseline: list[str], systems: dict[str, list[str]], refs: l
         if len(hyps) != len(refs):
             raise ValueError(f"{name}: {len(hyps)} hypotheses for {len(refs)} references")
     named = [("baseline", baseline), *systems.items()]
-    _, results = PairedTest(named, {"BLEU": BLEU()}, [refs], test_type="bs", n_samples=samples)()
+    _, results = PairedTest(named, {"BLEU": BLEU(tokenize=tokenize)}, [refs], test_type="bs", n_samples=samples)()
     base, *rest = results["BLEU"]
     return {name: {"bleu": float(r.score), "baseline_bleu": float(base.score),
                    "delta": float(r.score - base.score),
@@ -54,7 +54,9 @@ def compare_to_baseline(outcomes: list[dict[str, Any]], run_names: list[str], sa
                        if (other, seed) in done and key in done[other, seed]["result"]["scores"]}
             if key not in base["result"]["scores"] or not systems:
                 continue
-            for other, result in paired_bootstrap(_hypotheses(base, key), systems, references(item), samples).items():
+            tested = paired_bootstrap(_hypotheses(base, key), systems, references(item), samples,
+                                      base["eval"].get("bleu_tokenize", "13a"))
+            for other, result in tested.items():
                 out.setdefault(other, {}).setdefault(key, {})[seed] = result
     return out
 

@@ -1,0 +1,97 @@
+"""``nmtflow evaluate``'s metrics: several references, chrF++ and TER, sacreBLEU's tokenizers and lowercasing,
+each equal to sacreBLEU called directly; the comparison's BLEU tokenizer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import sacrebleu
+
+from nmtflow.cli import main
+from nmtflow.config import ConfigError
+from nmtflow.evaluate.experiment import load_experiment
+from nmtflow.evaluate.significance import paired_bootstrap
+from tests.evaluate.test_compare import TINY
+
+HYP = ["The cat sat on the mat .", "a dog barks loudly", "她喜欢读书。"]
+REF1 = ["the cat sat on a mat .", "A dog is barking", "她喜欢看书。"]
+REF2 = ["The cat was sitting on the mat .", "a dog barks loudly", "她爱读书。"]
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    paths = {}
+    for name, lines in (("hyp", HYP), ("ref1", REF1), ("ref2", REF2), ("short", REF1[:2])):
+        (tmp_path / name).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        paths[name] = str(tmp_path / name)
+    return paths
+
+
+def scores(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, dict[str, float | str]]:
+    assert main(["evaluate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_several_references_and_every_metric_equal_sacrebleu(files: dict[str, str],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    got = scores(["--hyp", files["hyp"], "--ref", files["ref1"], files["ref2"], "--metrics", "bleu", "chrf",
+                  "chrf++", "ter"], capsys)
+    refs = [REF1, REF2]
+    expected = {"BLEU": sacrebleu.metrics.BLEU().corpus_score(HYP, refs).score,
+                "chrF2": sacrebleu.metrics.CHRF().corpus_score(HYP, refs).score,
+                "chrF2++": sacrebleu.metrics.CHRF(word_order=2).corpus_score(HYP, refs).score,
+                "TER": sacrebleu.metrics.TER().corpus_score(HYP, refs).score}
+    assert list(got) == list(expected)
+    for name, score in expected.items():
+        assert got[name]["score"] == round(score, 2)
+        assert "nrefs:2" in str(got[name]["signature"])
+    one = scores(["--hyp", files["hyp"], "--ref", files["ref1"]], capsys)  # the default: BLEU and chrF, one ref
+    assert list(one) == ["BLEU", "chrF2"] and one["BLEU"]["score"] < got["BLEU"]["score"]
+
+
+@pytest.mark.parametrize("tokenize", ["zh", "char", "intl"])
+def test_the_bleu_tokenizer_and_lowercasing_reach_sacrebleu(tokenize: str, files: dict[str, str],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    got = scores(["--hyp", files["hyp"], "--ref", files["ref1"], "--tokenize", tokenize, "--lowercase"], capsys)
+    metric = sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=True)
+    assert got["BLEU"]["score"] == round(metric.corpus_score(HYP, [REF1]).score, 2)
+    assert f"tok:{tokenize}" in str(got["BLEU"]["signature"]) and "case:lc" in str(got["BLEU"]["signature"])
+    assert got["chrF2"]["score"] == round(sacrebleu.metrics.CHRF(lowercase=True).corpus_score(HYP, [REF1]).score, 2)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--metrics", "meteor"], "--metrics: unknown 'meteor'"),
+    (["--tokenize", "13b"], "--tokenize: unknown BLEU tokenizer '13b'"),
+    (["--metrics", "chrf", "--tokenize", "zh"], "--tokenize: sets BLEU's tokenizer, but --metrics has no bleu"),
+])
+def test_bad_metric_options_are_one_line_errors(extra: list[str], message: str, files: dict[str, str],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["evaluate", "--hyp", files["hyp"], "--ref", files["ref1"], *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_reference_of_another_length_is_named(files: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["evaluate", "--hyp", files["hyp"], "--ref", files["ref1"], files["short"]]) == 2
+    assert f"{files['hyp']} has 3 lines but {files['short']} has 2" in capsys.readouterr().err
+
+
+def test_metric_options_do_not_apply_to_perplexity(capsys: pytest.CaptureFixture[str]) -> None:
+    for extra in (["--metrics", "ter"], ["--tokenize", "zh"], ["--lowercase"]):
+        assert main(["evaluate", "--perplexity", "CKPT", "--data", "DIR", *extra]) == 2
+        assert f"{extra[0]}: does not apply to --perplexity" in capsys.readouterr().err
+
+
+def test_the_comparison_scores_and_tests_with_its_bleu_tokenizer(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY, encoding="utf-8")
+    assert load_experiment(path, ["bleu_tokenize=zh"]).bleu_tokenize == "zh"
+    with pytest.raises(ConfigError, match="override 'bleu_tokenize=13b': bleu_tokenize: unknown BLEU tokenizer"):
+        load_experiment(path, ["bleu_tokenize=13b"])
+    # the paired bootstrap's BLEU is the tokenizer's: Chinese without spaces is one 13a token per sentence
+    base, other = ["她喜欢看书。", "我们去公园。"], ["她喜欢读书。", "我们去公园。"]
+    refs = ["她喜欢读书。", "我们去公园散步。"]
+    for tokenize in ("13a", "zh"):
+        result = paired_bootstrap(base, {"other": other}, refs, samples=20, tokenize=tokenize)["other"]
+        assert result["bleu"] == pytest.approx(sacrebleu.metrics.BLEU(tokenize=tokenize).corpus_score(other, [refs]).score)
