@@ -286,11 +286,11 @@ class Translator:
                 if len(seq) > src_limit:
                     raise ValueError(f"{locate(n, 'source')} has {len(seq)} tokens; the model reads at most "
                                      f"{src_limit} (max_positions={source_positions(self.model)})")
-        limit = int(getattr(self.model.config, "max_positions", 1 << 30)) - 1  # BOS and the pieces fill them
+        tgt_positions = position_limits(self.model.config)[1]  # None: an LSTM decoder scores any length
         for n, seq in enumerate(tgt_ids):
-            if len(seq) > limit:
+            if tgt_positions is not None and len(seq) > tgt_positions - 1:  # BOS and the pieces fill them
                 raise ValueError(f"{locate(n, 'target')} has {len(seq)} tokens; the model scores at most "
-                                 f"{limit} (a target is never truncated)")
+                                 f"{tgt_positions - 1} (a target is never truncated)")
         out = [0.0] * len(sources)
         lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]
         for batch in batches_by_length(lengths, self.decode.max_tokens):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import logging
 import os
 import subprocess
@@ -239,6 +240,13 @@ def test_score_takes_targets_as_long_as_training_does(copy_data: Path) -> None:
     assert len(translator.score(["b"], [by_length[15]])) == 1
     with pytest.raises(ValueError, match="target line 1 has 16 tokens; the model scores at most 15"):
         translator.score(["b"], [by_length[16]])
+    # an LSTM decoder has no positions to fill: its max_positions bounds nothing, so nothing is refused
+    torch.manual_seed(0)
+    rnn = load_config(data={"model": {"name": "rnn", "hidden_dim": 16, "encoder_layers": 1,
+                                      "decoder_layers": 1, "max_positions": 16}}).model
+    lstm = Translator(build_model(rnn, Vocabularies(tok.vocab_size, tok.vocab_size, joint=True)).eval(), tok, tok,
+                      DecodeConfig())
+    assert all(math.isfinite(lp) for lp in lstm.score(["b", "b"], [by_length[16], by_length[19]]))
 
 
 # ---- bug 5: warnings name the true line ------------------------------------------------------------------------
