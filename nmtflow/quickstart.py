@@ -5,7 +5,9 @@ Transformer for a wall-clock budget → beam-search the test split → print sac
 """
 from __future__ import annotations
 
+import copy
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -23,26 +25,47 @@ QUICKSTART_CONFIG = {
 }
 
 
+def check_options(minutes: float, threads: int | None) -> None:
+    """A ``ValueError`` naming the option for a budget that is not a positive finite number of minutes, or a
+    thread count below 1."""
+    if not (isinstance(minutes, (int, float)) and math.isfinite(minutes) and minutes > 0):
+        raise ValueError(f"--minutes: the training budget must be a positive number of minutes, got {minutes}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads: must be >= 1 (or left out for the default), got {threads}")
+
+
+def quickstart_config(workdir: Path, minutes: float, threads: int | None) -> dict:
+    """:data:`QUICKSTART_CONFIG` with the paths under ``workdir`` and the budget set as values, not as
+    ``KEY=VALUE`` overrides, which would read a directory name as YAML (``#`` starts a comment there)."""
+    raw = copy.deepcopy(QUICKSTART_CONFIG)
+    raw["data"]["path"] = str(workdir / "data-en-de")
+    raw["train"].update(save_dir=str(workdir / "model"), max_minutes=float(minutes))
+    if threads is not None:
+        raw["train"]["threads"] = int(threads)
+    return raw
+
+
 def run_quickstart(workdir: Path, minutes: float = 6.0, threads: int | None = None) -> float:
-    """Run the whole pipeline in ``workdir``; returns the test BLEU. Reruns reuse finished steps."""
+    """Run the whole pipeline in ``workdir``; returns the test BLEU. Reruns reuse finished steps.
+
+    The options are checked, and the training config built, before any data is generated or prepared.
+    """
     from nmtflow.data.prepare import prepare
     from nmtflow.data.synthetic import generate_corpus
     from nmtflow.decode.translate import Translator
     from nmtflow.evaluate.metrics import bleu, chrf
     from nmtflow.train.trainer import Trainer
 
+    check_options(minutes, threads)
     t0 = time.perf_counter()
     corpus, data = workdir / "corpus", workdir / "data-en-de"
+    config = load_config(data=quickstart_config(workdir, minutes, threads))
     if not (corpus / "test.de").is_file():
         counts = generate_corpus(corpus)
         log.info("generated the built-in corpus in %s: %s", corpus, counts)
     if not (data / "meta.json").is_file():
         prepare({"train": str(corpus / "train"), "valid": str(corpus / "valid"), "test": str(corpus / "test")},
                 ["en", "de"], data, vocab_size=2000, joint=True, clean=CleanConfig())
-    overrides = [f"data.path={data}", f"train.save_dir={workdir / 'model'}", f"train.max_minutes={minutes}"]
-    if threads:
-        overrides.append(f"train.threads={threads}")
-    config = load_config(data=QUICKSTART_CONFIG, overrides=overrides)
     stopped = Trainer(config).train().progress.stopped
     if stopped.startswith("interrupted"):  # Ctrl-C: the checkpoint is saved; the same command continues
         raise KeyboardInterrupt

@@ -100,16 +100,19 @@ def collate(
     idx = np.arange(b, dtype=np.int64) if indices is None else np.asarray(indices, dtype=np.int64).reshape(-1)
     if len(idx) != b:
         raise ValueError(f"collate: {b} sentences but {len(idx)} indices")
-    rows = np.arange(b)
+    return _collate(*_flatten(src_seqs), *_flatten(tgt_seqs), idx, src_prefix)
 
+
+def _collate(s_lens: np.ndarray, s_flat: np.ndarray, t_lens: np.ndarray, t_flat: np.ndarray, idx: np.ndarray,
+             src_prefix: int | None) -> Batch:
+    """:func:`collate` from lengths and concatenated ids of each side (``len(idx)`` >= 1 rows)."""
+    rows = np.arange(len(idx))
     p = 0 if src_prefix is None else 1
-    s_lens, s_flat = _flatten(src_seqs)
     src = _pad_rows(s_flat, s_lens, int(s_lens.max()) + 1 + p, p)
     src[rows, p + s_lens] = EOS
     if p:
         src[:, 0] = src_prefix
 
-    t_lens, t_flat = _flatten(tgt_seqs)
     width = int(t_lens.max()) + 1
     tgt_out = _pad_rows(t_flat, t_lens, width, 0)
     tgt_out[rows, t_lens] = EOS
@@ -124,6 +127,24 @@ def collate(
     )
 
 
+def gather_rows(ds: IndexedDataset, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths (int64) and the concatenated ids of rows ``indices`` of ``ds``: :meth:`IndexedDataset.gather`
+    (one vectorised gather, no Python code per sentence), or row by row for another kind of dataset."""
+    gather = getattr(ds, "gather", None)
+    if gather is not None:
+        return gather(indices)
+    return _flatten([ds[i] for i in np.asarray(indices, dtype=np.int64).reshape(-1)])
+
+
+def collate_rows(src_ds: IndexedDataset, tgt_ds: IndexedDataset, indices: Sequence[int] | np.ndarray, *,
+                 src_prefix: int | None = None) -> Batch:
+    """:func:`collate` of rows ``indices`` of two aligned datasets, gathered with :func:`gather_rows`."""
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if idx.size == 0:
+        raise ValueError("collate needs at least one sentence")
+    return _collate(*gather_rows(src_ds, idx), *gather_rows(tgt_ds, idx), idx, src_prefix)
+
+
 class TokenBatchSampler:
     """Length-bucketed batches under a padding-aware token budget.
 
@@ -131,7 +152,8 @@ class TokenBatchSampler:
     ``shuffle``), then cut greedily into batches with ``B * max(src_len + 1 + src_prefix_len,
     tgt_len + 1) <= max_tokens`` and at most ``max_sentences`` rows; a sentence over the budget
     on its own forms a batch of one. With ``shuffle`` the batch order is permuted with
-    ``np.random.default_rng(seed + epoch)``. For data parallelism, shard ``shard_id`` of
+    ``np.random.default_rng([seed, epoch])`` (not ``seed + epoch``, which would give seed ``s`` at
+    epoch ``e + 1`` the batches of seed ``s + 1`` at epoch ``e``). For data parallelism, shard ``shard_id`` of
     ``num_shards`` takes every ``num_shards``-th batch after dropping the tail so all shards get
     the same number of batches.
     """
@@ -161,6 +183,8 @@ class TokenBatchSampler:
             raise ValueError(f"invalid shard {shard_id} of {num_shards}")
         if len(self.src_sizes) and min(self.src_sizes.min(), self.tgt_sizes.min()) < 0:
             raise ValueError("sizes must be non-negative")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
         self.max_tokens = int(max_tokens)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -229,10 +253,12 @@ class TokenBatchSampler:
         if self._cache is not None and self._cache[0] == key:
             return list(self._cache[1])
         n = len(self)
+        if self.shuffle and epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
         if n == 0:
             out: list[np.ndarray] = []
         else:
-            rng = np.random.default_rng(self.seed + epoch) if self.shuffle else None
+            rng = np.random.default_rng([self.seed, epoch]) if self.shuffle else None
             order = self._order(rng)
             order.setflags(write=False)  # batches are views of it and are cached
             bounds = self._cut(self.widths[order])
@@ -294,10 +320,9 @@ class ParallelBatches:
         src_ds, tgt_ds = self.src_ds, self.tgt_ds
         for pos in range(self.start, len(self.batch_indices)):
             idx = self.batch_indices[pos]
-            batch = collate([src_ds[i] for i in idx], [tgt_ds[i] for i in idx], idx,
-                            src_prefix=self.src_prefix)
+            batch = collate_rows(src_ds, tgt_ds, idx, src_prefix=self.src_prefix)
             self.position = pos + 1
             yield batch
 
 
-__all__ = ["Batch", "collate", "TokenBatchSampler", "ParallelBatches"]
+__all__ = ["Batch", "collate", "collate_rows", "gather_rows", "TokenBatchSampler", "ParallelBatches"]

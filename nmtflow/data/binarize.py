@@ -224,6 +224,22 @@ class IndexedDataset:
             raise IndexError(f"index {i} out of range for {self._count} sequences in {self.prefix}")
         return self._data[self._offsets[i]:self._offsets[i + 1]]
 
+    def gather(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Lengths (int64) and the concatenated ids of sequences ``indices`` (negative counts from the end), in
+        one vectorised gather from the mapped data; ``IndexError`` names a row outside the dataset."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = self._count
+        if idx.size and (int(idx.min()) < -n or int(idx.max()) >= n):
+            bad = int(idx[(idx < -n) | (idx >= n)][0])
+            raise IndexError(f"index {bad} out of range for {n} sequences in {self.prefix}")
+        idx = np.where(idx < 0, idx + n, idx)
+        starts = self._offsets[idx]
+        lens = self._offsets[idx + 1] - starts
+        ends = np.cumsum(lens)
+        # output position k of a row is data[start of the row + (k − the row's first output position)]
+        pos = np.arange(int(ends[-1]) if ends.size else 0, dtype=np.int64) + np.repeat(starts - (ends - lens), lens)
+        return lens, self._data[pos]
+
     def __iter__(self):
         for i in range(self._count):
             yield self[i]

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from nmtflow.config import ConfigError
-from nmtflow.data.batching import Batch, collate
+from nmtflow.data.batching import Batch, collate_rows
 from nmtflow.data.binarize import IndexedDataset
 from nmtflow.data.prepare import load_meta
 
@@ -25,8 +25,8 @@ class Bitext:
         return len(self.src)
 
     def batch(self, indices: np.ndarray) -> Batch:
-        return collate([self.src[i] for i in indices], [self.tgt[i] for i in indices], indices,
-                       src_prefix=self.src_prefix)
+        """Rows ``indices`` collated into a :class:`Batch` (one vectorised gather per side)."""
+        return collate_rows(self.src, self.tgt, indices, src_prefix=self.src_prefix)
 
 
 def tokenizer_path(data_dir: str | Path, meta: dict[str, Any], lang: str) -> Path:

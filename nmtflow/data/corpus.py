@@ -124,13 +124,17 @@ def _iter_lines(path: Path, block_size: int = _READ_CHUNK) -> Iterator[str]:
 
 
 def iter_tsv(path: str | Path) -> Iterator[tuple[int, list[str]]]:
-    """(line number, tab-separated fields) of the non-empty lines of a UTF-8 file; errors name the file and line."""
+    """(line number, tab-separated fields) of the non-empty lines of a UTF-8 file (a byte-order mark dropped, as
+    :func:`read_lines` does); errors name the file and line."""
+    _check_file(Path(path))
     with open(path, "rb") as fh:
         for line_no, raw in enumerate(fh, 1):
             try:
                 text = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as exc:
                 raise CorpusError(path, f"invalid UTF-8 at byte {exc.start}", line=line_no) from None
+            if line_no == 1:
+                text = text.removeprefix("\ufeff")
             if text.strip():
                 yield line_no, text.split("\t")
 

@@ -741,10 +741,19 @@ def generate_sentences(n: int, seed: int, langs: Sequence[str] = DEFAULT_LANGS) 
     return [tuple(t[i] for i in idx) for t in itertools.islice(_iter_tuples(seed), n)]
 
 
+#: The order in which :func:`generate_corpus` takes the splits from the sentence stream: held-out splits first.
+_DRAW_ORDER = ("test", "valid", "train")
+
+
 def generate_corpus(out_dir: str | Path, langs: Sequence[str] = DEFAULT_LANGS, n_train: int = 20000,
                     n_valid: int = 500, n_test: int = 500, seed: int = 1234) -> dict[str, int]:
     """Writes out_dir/{train,valid,test}.{lang} (UTF-8, one sentence per line, LF); returns line counts per split.
-    Splits must not share sentences (dedupe across splits by the source meaning), and no line is empty."""
+    Splits must not share sentences (dedupe across splits by the source meaning), and no line is empty.
+
+    The held-out splits are drawn first (test, then valid, then train), so for a seed the test split depends only on
+    ``n_test`` and the valid split on ``n_test`` and ``n_valid``: corpora that differ in ``n_train`` (a learning
+    curve) share their held-out splits, their training splits are nested, and no held-out sentence of one is a
+    training sentence of another."""
     idx = [SUPPORTED_LANGS.index(l) for l in _check_langs(langs)]
     if len(set(idx)) != len(idx):
         raise ValueError(f"duplicate language in {list(langs)}")
@@ -766,10 +775,9 @@ def generate_corpus(out_dir: str | Path, langs: Sequence[str] = DEFAULT_LANGS, n
         rows.append(t)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    start = 0
-    for split, size in sizes.items():
+    starts = dict(zip(_DRAW_ORDER, itertools.accumulate((sizes[s] for s in _DRAW_ORDER), initial=0)))
+    for split, size in sizes.items():  # test.* written last (quickstart takes test.de as "the corpus is complete")
         for i in idx:
-            text = "".join(r[i] + "\n" for r in rows[start:start + size])
+            text = "".join(r[i] + "\n" for r in rows[starts[split]:starts[split] + size])
             (out / f"{split}.{SUPPORTED_LANGS[i]}").write_text(text, encoding="utf-8", newline="\n")
-        start += size
     return dict(sizes)

@@ -94,6 +94,9 @@ class Tokenizer:
         for s in user_symbols:
             if not s or any(c.isspace() for c in s):
                 raise ValueError(f"invalid user symbol {s!r}")
+            if s in (PAD_PIECE, UNK_PIECE, BOS_PIECE, EOS_PIECE):  # the model would lose that special id
+                raise ValueError(f"user symbol {s!r} is one of the special pieces "
+                                 f"({', '.join((PAD_PIECE, UNK_PIECE, BOS_PIECE, EOS_PIECE))})")
         if len(set(user_symbols)) != len(user_symbols):
             raise ValueError(f"duplicate user symbols: {list(user_symbols)}")
         model_prefix = Path(model_prefix)
