@@ -11,6 +11,7 @@ and load the module with ``nmtflow --plugin my_module train config.yaml``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -25,19 +26,36 @@ class Entry:
     config_cls: type
 
 
-class Registry:
-    """A case-sensitive mapping from names to (class, config dataclass)."""
+def _same_definition(a: type, b: type) -> bool:
+    """The same class defined again (a reloaded plugin module, a re-run notebook cell), not another one."""
+    return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+
+class Registry:
+    """A case-sensitive mapping from names to (class, config dataclass).
+
+    ``key`` is the field of the config dataclass that names the entry in a config (``name`` for models,
+    ``type`` for attentions): a config class without it could never be selected, so registering one is an error.
+    """
+
+    def __init__(self, kind: str, key: str, base: str) -> None:
+        self.kind, self.key, self.base = kind, key, base
         self._entries: dict[str, Entry] = {}
 
     def register(self, name: str, config_cls: type) -> Callable[[type[T]], type[T]]:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"a {self.kind} is registered under a non-empty string, got {name!r}")
+        if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)
+                and self.key in {f.name for f in dataclasses.fields(config_cls)}):
+            raise TypeError(f"{self.kind} {name!r}: its config class must be a dataclass with a {self.key!r} field "
+                            f"(subclass {self.base}), got {config_cls!r}")
+
         def decorator(cls: type[T]) -> type[T]:
-            if name in self._entries and self._entries[name].cls is not cls:
+            old = self._entries.get(name)
+            if old is not None and old.cls is not cls and not _same_definition(old.cls, cls):
                 raise ValueError(f"{self.kind} {name!r} is already registered "
-                                 f"({self._entries[name].cls.__qualname__})")
-            self._entries[name] = Entry(cls, config_cls)
+                                 f"({old.cls.__module__}.{old.cls.__qualname__})")
+            self._entries[name] = Entry(cls, config_cls)  # a redefinition replaces its earlier self
             return cls
 
         return decorator
@@ -58,8 +76,8 @@ class Registry:
         return name in self._entries
 
 
-MODELS = Registry("model")
-ATTENTIONS = Registry("attention")
+MODELS = Registry("model", "name", "nmtflow.models.base.ModelConfig")
+ATTENTIONS = Registry("attention", "type", "nmtflow.nn.attention.AttentionConfig")
 
 
 def register_model(name: str, config_cls: type) -> Callable[[type[T]], type[T]]:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from nmtflow.config import ConfigError
+from nmtflow.nn.attention import ROWS
 from nmtflow.registry import MODELS
 
 EncoderOut = dict[str, Tensor]
@@ -56,8 +57,13 @@ class Vocabularies:
 
 
 def reorder(tensors: dict[str, Tensor], order: Tensor) -> dict[str, Tensor]:
-    """Select batch rows ``order`` of every tensor (beam reordering, finished-sentence pruning)."""
-    return {k: v.index_select(0, order) for k, v in tensors.items()}
+    """Select batch rows ``order`` of every tensor (beam reordering, finished-sentence pruning).
+
+    A cache whose beam order is still pending (``NAME.rows`` beside ``NAME.k``/``NAME.v``, left by beam search:
+    :func:`nmtflow.nn.attention.defer_cache_reorder`) keeps its rows; its pending order is reordered instead.
+    """
+    pending = {k[: -len(ROWS)] + kv for k in tensors if k.endswith(ROWS) for kv in (".k", ".v")}
+    return {k: v if k in pending else v.index_select(0, order) for k, v in tensors.items()}
 
 
 class EncoderDecoder(nn.Module):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtflow.config import ConfigError
+from nmtflow.nn.layers import masked_softmax
 from nmtflow.registry import ATTENTIONS, register_attention
 
 
@@ -64,6 +65,16 @@ def merge_heads(x: Tensor) -> Tensor:
     """(B,H,T,Dh) → (B,T,D)."""
     b, h, t, dh = x.shape
     return x.transpose(1, 2).reshape(b, t, h * dh)
+
+
+def causal_mask(mask: Tensor | None, t: int, s: int, device: torch.device) -> Tensor | None:
+    """``mask`` (True = may attend) and causality for T queries that are the last T of S positions: query i
+    (position S − T + i) sees keys 0 … S − T + i (after a cached prefix too). None when nothing is hidden
+    (one query, no mask); (T,S) or ``mask`` broadcast with it otherwise."""
+    if t == 1:
+        return mask
+    allowed = torch.ones(t, s, dtype=torch.bool, device=device).tril(s - t)
+    return allowed if mask is None else mask & allowed
 
 
 ROWS = ".rows"  # state entry: the row order a self-attention cache is still to be read in
@@ -141,25 +152,29 @@ class MultiHeadAttention(nn.Module):
 
     # ---- seams -------------------------------------------------------------------------------------
     def project_kv(self, source: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        """source (B,S,D) → keys, values (B,H,S,Dh)."""
+        """source (B,S,D) → keys, values (B,H,S,Dh).
+
+        Cached decoder self-attention calls it on the new positions only (with their ``ctx.embeddings``) and
+        appends the result to the prefix's cached keys/values: an override must compute each position's key and
+        value from that position alone (as every built-in variant does), or override ``forward``'s caching too.
+        """
         return split_heads(self.k_proj(source), self.heads), split_heads(self.v_proj(source), self.heads)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool,
                ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
-        """q (B,H,T,Dh), k/v (B,H,S,Dh), mask broadcastable to (B,H,T,S) with True = may attend."""
+        """q (B,H,T,Dh), k/v (B,H,S,Dh), mask broadcastable to (B,H,T,S) with True = may attend; ``causal``:
+        query i sees keys up to S − T + i (:func:`causal_mask`; ``forward`` folds it into ``mask`` unless T = S and
+        there is no mask)."""
         p = self.dropout if self.training else 0.0
         if not ctx.need_weights:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                 is_causal=causal and mask is None)
+            if causal and (mask is not None or q.size(2) != k.size(2)):  # SDPA's is_causal: no mask, T = S only
+                mask, causal = causal_mask(mask, q.size(2), k.size(2), q.device), False
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
             return out, None
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B,H,T,S)
-        if causal:
-            t, s = scores.shape[-2:]
-            future = torch.ones(t, s, dtype=torch.bool, device=q.device).triu(s - t + 1)
-            scores = scores.masked_fill(future, float("-inf"))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = scores.softmax(-1)
+        mask = causal_mask(mask, q.size(2), k.size(2), q.device) if causal else mask
+        # a query that may attend to nothing (an all-padding source) gets zero weights and context, as in SDPA
+        weights = scores.softmax(-1) if mask is None else masked_softmax(scores, ~mask)
         return F.dropout(weights, p) @ v, weights
 
     # ---- the interface -----------------------------------------------------------------------------
@@ -173,13 +188,9 @@ class MultiHeadAttention(nn.Module):
         mask = None
         if key_padding_mask is not None:
             mask = ~key_padding_mask[:, None, None, :]  # (B,1,1,S) True = attend
-        if causal and state is not None and k.size(2) != q.size(2):
-            # new queries after a cached prefix: position i sees keys up to prefix + i; one new query sees all
-            t, s = q.size(2), k.size(2)
-            if t > 1:
-                allowed = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
-                mask = allowed if mask is None else mask & allowed
-            causal = False
+        if causal and (mask is not None or k.size(2) != q.size(2)):
+            # into the mask, so that every ``attend`` sees one convention: ``causal`` only with no mask and T = S
+            mask, causal = causal_mask(mask, q.size(2), k.size(2), q.device), False
         out, weights = self.attend(q, k, v, mask, causal, ctx)
         return self.out_proj(merge_heads(out)), weights
 

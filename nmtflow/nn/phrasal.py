@@ -31,10 +31,13 @@ query at absolute position p only if ``j + n − 1 ≤ p``. A query that sees no
 
 **Incremental decoding.** Self-attention keeps, batch-first under ``state[name + …]``: ``.tail_k``/``.tail_v``,
 the key and per-offset value projections of the last N − 1 positions (N = max n), and per n the phrase keys
-``.phrase_k{n}`` (B,H,S_n,n·Dh) and phrase values ``.phrase_v{n}`` (B,H,S_n,Dh) seen so far. New tokens
+``.phrase{n}.k`` (B,H,S_n,n·Dh) and phrase values ``.phrase{n}.v`` (B,H,S_n,Dh) seen so far. New tokens
 complete new windows with the tail; nothing is recomputed over the prefix. The prefix length is
-``tail length + S_N``. Cross-attention caches the phrase keys/values of the encoder output once under
-``.static_phrase_k{n}``/``.static_phrase_v{n}`` (beam search reorders those only when sentences are pruned).
+``tail length + S_N``. Named like standard key/value caches, the phrase caches take part in beam search's
+deferred reordering (:func:`~nmtflow.nn.attention.defer_cache_reorder`): a new beam order is applied when the
+next step extends them, in the same copy; the small tails are reordered at once. Cross-attention caches
+the phrase keys/values of the encoder output once under ``.static_phrase_k{n}``/``.static_phrase_v{n}``
+(beam search reorders those only when sentences are pruned).
 
 **Weights for analysis** (``ctx.need_weights``): one tensor (B,H,T,ΣS_n), the softmax over the concatenation
 in ``ngrams`` order — ``[:S_1]`` token-to-token, the rest token-to-phrase. :func:`phrase_counts` gives the
@@ -53,7 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtflow.config import ConfigError
-from nmtflow.nn.attention import AttentionConfig, AttentionContext, MultiHeadAttention, merge_heads, split_heads
+from nmtflow.nn.attention import (ROWS, AttentionConfig, AttentionContext, MultiHeadAttention, extend_cache,
+                                   merge_heads, split_heads)
 from nmtflow.registry import register_attention
 
 
@@ -225,7 +229,7 @@ class PhrasalAttention(MultiHeadAttention):
         k, v = self.project_kv(source, ctx)  # (B,H,T,Dh), (B,H,T,Σn,Dh)
         cached = f"{name}.tail_k" in state
         if cached:
-            previous = state[f"{name}.tail_k"].size(2) + state[f"{name}.phrase_k{max(self.ngrams)}"].size(2)
+            previous = state[f"{name}.tail_k"].size(2) + state[f"{name}.phrase{max(self.ngrams)}.k"].size(2)
             k = torch.cat([state[f"{name}.tail_k"], k], dim=2)  # (B,H,tail+T,Dh)
             v = torch.cat([state[f"{name}.tail_v"], v], dim=2)
         else:
@@ -238,10 +242,12 @@ class PhrasalAttention(MultiHeadAttention):
             new_values.append(phrase_values(v[:, :, start:, o:o + n]))
         keys, values = [], []
         for n, nk, nv in zip(self.ngrams, new_keys, new_values):
-            if cached:
-                nk = torch.cat([state[f"{name}.phrase_k{n}"], nk], dim=2)
-                nv = torch.cat([state[f"{name}.phrase_v{n}"], nv], dim=2)
-            state[f"{name}.phrase_k{n}"], state[f"{name}.phrase_v{n}"] = nk, nv
+            cache = f"{name}.phrase{n}"
+            if cached:  # in the beam order left pending by beam search, if any: gathered and extended in one copy
+                rows = state.pop(cache + ROWS, None)
+                nk = extend_cache(state[cache + ".k"], nk, rows)
+                nv = extend_cache(state[cache + ".v"], nv, rows)
+            state[cache + ".k"], state[cache + ".v"] = nk, nv
             keys.append(nk)
             values.append(nv)
         start = max(k.size(2) - keep, 0)
