@@ -76,6 +76,9 @@ class TransformerConfig(ModelConfig):
             activation=self.activation, max_positions=self.max_positions,
             dropouts={"dropout": self.dropout, "attention_dropout": self.attention_dropout,
                       "activation_dropout": self.activation_dropout})
+        for slot, self_attention in (("encoder_self_attention", True), ("decoder_self_attention", True),
+                                     ("cross_attention", False)):
+            getattr(self, slot).check_slot(f"{where}.{slot}", self_attention)
 
 
 class Residual(nn.Module):

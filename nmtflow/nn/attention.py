@@ -37,6 +37,10 @@ class AttentionConfig:
         except KeyError as exc:
             raise ConfigError(f"{where}.type: {exc.args[0]}") from None
 
+    def check_slot(self, where: str, self_attention: bool) -> None:
+        """A ConfigError if these options cannot serve a self-attention (``self_attention``) or a
+        decoder-to-encoder slot; called by the model's config, so that ``load_config`` refuses them."""
+
 
 @dataclass
 class AttentionContext:

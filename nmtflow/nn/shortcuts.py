@@ -72,6 +72,11 @@ class ShortcutOptions(AttentionConfig):
         if self.source not in SOURCES:
             raise ConfigError(f"{where}.source: expected one of {', '.join(SOURCES)}, got {self.source!r}")
 
+    def check_slot(self, where: str, self_attention: bool) -> None:
+        if self.source == "nonlexical" and not self_attention:
+            raise ConfigError(f"{where}.source: non-lexical shortcuts need the layer inputs of a self-attention "
+                              "stack; decoder-to-encoder shortcuts take the source embeddings (source: lexical)")
+
 
 @register_attention("shortcut", ShortcutOptions)
 class ShortcutAttention(MultiHeadAttention):

@@ -404,9 +404,8 @@ def test_bad_options_are_config_errors() -> None:
         load_config(data={"model": {"decoder_self_attention": {"type": "shortcut", "source": "phrasal"}}})
     with pytest.raises(ConfigError, match="unknown key 'fusion'"):
         load_config(data={"model": {"decoder_self_attention": {"type": "shortcut", "fusion": True}}})
-    cfg = load_config(data={"model": {"d_model": 32, "ffn_dim": 64, "heads": 4, "cross_attention": NL}})
-    with pytest.raises(ConfigError, match="non-lexical"):
-        build_model(cfg.model, Vocabularies(V, V))
+    with pytest.raises(ConfigError, match=r"model.cross_attention.source: non-lexical"):  # at load, not at build
+        load_config(data={"model": {"d_model": 32, "ffn_dim": 64, "heads": 4, "cross_attention": NL}})
 
 
 @pytest.mark.parametrize("size, warmups", [("small", (4000, 6000, 8000)), ("base", (4000, 6000, 8000)),
