@@ -736,7 +736,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("NMTFLOW_DEBUG"):
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"nmtflow {args.command}: error: {message}", file=sys.stderr)
+        rank = int(os.environ.get("RANK", "0") or 0)  # torchrun: every process meets a config error alike
+        if rank == 0 or not isinstance(exc, ConfigError):
+            print(f"nmtflow {args.command}: error: {f'rank {rank}: ' if rank else ''}{message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

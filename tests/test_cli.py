@@ -31,6 +31,20 @@ def test_info_json_counts_parameters(capsys: pytest.CaptureFixture[str]) -> None
     assert info["parameters"] == V * d + enc + dec + 4 * d
 
 
+def test_under_torchrun_a_config_error_is_printed_by_rank_0_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Every process meets a config error alike: one line from rank 0, not one per process. Other errors may be
+    one rank's own, so every rank prints them, naming itself."""
+    config = str(REPO / "configs" / "transformer-small.yaml")
+    for rank, printed in (("0", "nmtflow train: error: override 'train.lr=abc'"), ("1", "")):
+        monkeypatch.setenv("RANK", rank)
+        code, _, err = run(["train", config, "--set", "train.lr=abc", "--save-dir", str(tmp_path / "run")], capsys)
+        assert code == 2 and err.strip().startswith(printed) and bool(err) == bool(printed)
+    missing = str(tmp_path / "missing.txt")
+    code, _, err = run(["evaluate", "--hyp", missing, "--ref", missing], capsys)
+    assert code == 2 and err.startswith("nmtflow evaluate: error: rank 1: ") and missing in err
+
+
 def test_unknown_config_key_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {name: transformer, layers: 3}\n", encoding="utf-8")

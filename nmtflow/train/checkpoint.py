@@ -97,13 +97,15 @@ def unlock_save_dir(save_dir: str | Path) -> None:
 
 
 def remove_interrupted_saves(save_dir: str | Path) -> list[Path]:
-    """Delete the temporary files of checkpoint writes that never finished (a ``kill -9`` or power loss during
-    :func:`save_atomic`); call it only under :func:`lock_save_dir`, when no save can be in progress."""
-    leftovers = [p for p in Path(save_dir).glob(".checkpoint_*.tmp") if p.is_file()]
+    """Delete the temporary files of checkpoint writes (and of log.jsonl or config.yaml rewrites) that never finished
+    (a ``kill -9`` or power loss during :func:`save_atomic` or ``trainer.write_text_atomic``); call it only under
+    :func:`lock_save_dir`, when no save can be in progress."""
+    leftovers = [p for pattern in (".checkpoint_*.tmp", ".log.jsonl.*.tmp", ".config.yaml.*.tmp")
+                 for p in Path(save_dir).glob(pattern) if p.is_file()]
     for path in leftovers:
         path.unlink(missing_ok=True)
     if leftovers:
-        log.warning("%s: removed %d unfinished checkpoint write(s) of an earlier, killed run: %s", save_dir,
+        log.warning("%s: removed %d unfinished write(s) of an earlier, killed run: %s", save_dir,
                     len(leftovers), ", ".join(p.name for p in leftovers))
     return leftovers
 

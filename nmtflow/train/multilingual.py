@@ -85,7 +85,11 @@ class MultilingualTrainer(Trainer):
         self.uses_tags = model_cls.uses_language_tags
         meta = load_meta(dc.path)
         self.directions, self.zero_shot = plan_directions(meta["langs"], mc)
-        self.init_checkpoint = load_checkpoint(mc.init_checkpoint) if mc.init_checkpoint else None
+        # adding languages: the trained model's languages come from init_checkpoint when the run starts, and from the
+        # run's own checkpoint when it resumes (it holds them all, and the weights that resuming loads): a resumed run
+        # does not need the init file any more
+        init_path = (self.resume_from or mc.init_checkpoint) if mc.init_checkpoint else None
+        self.init_checkpoint = load_checkpoint(init_path) if init_path else None
         encoders = {d.src: 0 for d in self.directions}
         decoders = {d.tgt: 0 for d in self.directions}
         if self.init_checkpoint is not None:  # keep every module of the model that languages are added to
@@ -94,7 +98,7 @@ class MultilingualTrainer(Trainer):
         langs = sorted({*encoders, *decoders, *(lang for d in self.zero_shot for lang in (d.src, d.tgt))})
         self.tokenizers = {lang: Tokenizer(tokenizer_path(dc.path, meta, lang)) for lang in langs}
         if self.init_checkpoint is not None:
-            self._check_tokenizers(self.init_checkpoint, mc.init_checkpoint)
+            self._check_tokenizers(self.init_checkpoint, str(init_path))
         encoders = {lang: self.tokenizers[lang].vocab_size for lang in encoders}
         decoders = {lang: self.tokenizers[lang].vocab_size for lang in decoders}
         self.vocabs = LanguageVocabularies(max(encoders.values()), max(decoders.values()),
@@ -167,7 +171,7 @@ class MultilingualTrainer(Trainer):
             except ValueError as exc:
                 raise ConfigError(f"data.multilingual.zero_shot: {d}: {exc}") from None
         mc = self.config.data.multilingual
-        if self.init_checkpoint is not None:
+        if self.init_checkpoint is not None and self.resume_from is None:  # resuming loads the run's own weights
             try:
                 _, unexpected = model.load_state_dict(self.init_checkpoint["model"], strict=False)
             except RuntimeError as exc:
@@ -175,12 +179,15 @@ class MultilingualTrainer(Trainer):
                                   f"model ({str(exc).splitlines()[0][:200]})") from None
             if unexpected:
                 raise ConfigError(f"data.multilingual.init_checkpoint: unexpected parameters {unexpected[:3]}")
-            if mc.new_langs:
-                if not hasattr(model, "language_modules"):
-                    raise ConfigError("data.multilingual.new_langs: this model has no language-specific modules")
-                model.requires_grad_(False)  # the bridge and every other language stay as they are
-                for module in model.language_modules(list(mc.new_langs)):
-                    module.requires_grad_(True)
+        if self.init_checkpoint is not None:  # the weights are in the model now (or come from resuming): not kept
+            self.init_checkpoint = {k: v for k, v in self.init_checkpoint.items()
+                                    if k not in ("model", "optimizer", "scheduler", "rng")}
+        if self.init_checkpoint is not None and mc.new_langs:  # a resumed run too: the optimiser's parameters
+            if not hasattr(model, "language_modules"):
+                raise ConfigError("data.multilingual.new_langs: this model has no language-specific modules")
+            model.requires_grad_(False)  # the bridge and every other language stay as they are
+            for module in model.language_modules(list(mc.new_langs)):
+                module.requires_grad_(True)
         return model
 
     def model_for(self, batch: Batch) -> EncoderDecoder:
@@ -277,7 +284,7 @@ class MultilingualTrainer(Trainer):
             bitext, tgt_tok, n = valid.bitexts[i], self.tokenizers[d.tgt], counts[i]
             hyp_text = distributed.unshard([part[i] for part in gathered], n)
             refs = [tgt_tok.decode(bitext.tgt[j].tolist()) for j in range(n)]
-            scores[str(d)] = bleu(hyp_text, refs).score
+            scores[str(d)] = bleu(hyp_text, refs, tokenize=self.config.train.valid_bleu_tokenize).score
         self.record("valid_directions", {f"bleu.{k}": v for k, v in scores.items()})
         supervised = [scores[str(d)] for d in valid.directions if d not in self.zero_shot]
         return float(np.mean(supervised)) if supervised else 0.0

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import signal
+import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -32,7 +34,7 @@ from nmtflow.data.tokenizer import Tokenizer, same_model
 from nmtflow.decode.translate import Translator, bytes_tensor, position_limits
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
-from nmtflow.runtime import autocast, keep_freed_memory, use_precision
+from nmtflow.runtime import autocast, keep_freed_memory, new_file_mode, use_precision
 from nmtflow.train import distributed
 from nmtflow.train.checkpoint import (FORMAT, load_checkpoint, lock_save_dir, periodic_checkpoints,
                                       remove_interrupted_saves, save_atomic, unlock_save_dir)
@@ -108,6 +110,8 @@ class Trainer:
             lock_save_dir(self.save_dir)
             remove_interrupted_saves(self.save_dir)
         torch.manual_seed(tc.seed)
+        last = self.save_dir / "checkpoint_last.pt"
+        self.resume_from: Path | None = last if resume and last.is_file() else None  # set before the seams run
 
         self.setup_data()
         self.model: EncoderDecoder = self.create_model().to(self.device)
@@ -120,8 +124,7 @@ class Trainer:
         self.progress = Progress()
         self.writer = None
         self._purge_step: int | None = None  # set on resume: TensorBoard drops later events
-        last = self.save_dir / "checkpoint_last.pt"
-        if resume and last.is_file():
+        if self.resume_from is not None:
             ckpt = load_checkpoint(last, self.device)
             missing = [key for key in ("optimizer", "scheduler", "rng", "progress") if key not in ckpt]
             if missing:  # e.g. `nmtflow average ... -o SAVE_DIR/checkpoint_last.pt`
@@ -151,7 +154,7 @@ class Trainer:
             _StepModule(self.model), device_ids=[self.device.index] if self.device.type == "cuda" else None,
             find_unused_parameters=self.find_unused_parameters)
         if self.dist.is_main:
-            (self.save_dir / "config.yaml").write_text(yaml_dump(to_dict(config)), encoding="utf-8")
+            write_text_atomic(self.save_dir / "config.yaml", yaml_dump(to_dict(config)), "the run's config")
 
     def clear_previous_run(self) -> None:
         """A fresh start (``--restart``, or a save dir without checkpoints): remove the earlier run's checkpoints,
@@ -352,6 +355,15 @@ class Trainer:
                 yield epoch, pos + 1, self.train_data.batch(order[pos])
             epoch, start = epoch + 1, 0
 
+    def next_group(self, stream: Iterator[tuple[int, int, Batch]]) -> list[tuple[int, int, Batch]]:
+        """The batches of the next update: ``train.update_freq`` of them, fewer at the end of an epoch (an update
+        never mixes two epochs, so ``max_epochs`` stops after exactly that many passes over the data; with DDP
+        every rank's shard of an epoch has the same length, so the ranks shorten the same update)."""
+        group = [next(stream)]
+        while len(group) < self.config.train.update_freq and group[-1][1] < len(self.epoch_batches(group[-1][0])):
+            group.append(next(stream))
+        return group
+
     def train_step(self, batches: list[Batch]) -> dict[str, float]:
         """One update from ``batches`` (gradient accumulation; with DDP, this rank's share of the update).
 
@@ -430,7 +442,7 @@ class Trainer:
                         # lowered since; like any budget's last validation, it does not count for patience
                         self.save(best=self.validate(scheduled=False))
                     break
-                group = [next(stream) for _ in range(tc.update_freq)]
+                group = self.next_group(stream)
                 stats = self.train_step([b for _, _, b in group])
                 p.epoch, p.position = group[-1][0], group[-1][1]
                 if p.position == len(self.epoch_batches(p.epoch)):
@@ -533,7 +545,7 @@ class Trainer:
         mine = [self.tgt_tok.decode(h[0].tokens) for h in translator.translate_ids(sources)]
         hyp_text = distributed.unshard(distributed.all_gather_object(mine), n)
         refs = [self.tgt_tok.decode(self.valid_data.tgt[i].tolist()) for i in range(n)]
-        return bleu(hyp_text, refs).score
+        return bleu(hyp_text, refs, tokenize=self.config.train.valid_bleu_tokenize).score
 
     def budget_spent(self) -> str:
         """Why training must not take another update (a budget or early stopping), or ""."""
@@ -620,10 +632,32 @@ def read_log(save_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def trim_log(path: Path, update: int) -> None:
-    """Keep the lines of ``path`` up to ``update`` (those after it come from the run's interrupted tail)."""
+    """Keep the lines of ``path`` up to ``update`` (those after it come from the run's interrupted tail).
+
+    The rewrite is atomic (:func:`write_text_atomic`): a crash or a full disk during it leaves the old log whole.
+    """
     if path.is_file():
         kept = [line for line, entry in _log_entries(path) if entry.get("update", 0) <= update]
-        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        write_text_atomic(path, "".join(line + "\n" for line in kept), "the log")
+
+
+def write_text_atomic(path: Path, text: str, what: str) -> None:
+    """Write ``text`` to a temporary file in ``path``'s directory, fsync, then rename it over ``path``: a crash or a
+    full disk leaves ``path`` as it was (an ``OSError`` naming it and ``what`` it holds), never half written."""
+    mode = os.stat(path).st_mode & 0o777 if path.is_file() else new_file_mode()  # not mkstemp's 0600
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            os.fchmod(handle.fileno(), mode)
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OSError(f"{path}: could not write {what} ({exc.strerror or exc}); it is unchanged") from None
+        raise
 
 
 MIN_LOSS_SCALE = 1e-4  # fp16: below this loss scale gradients overflow even unscaled, so training stops
@@ -633,8 +667,9 @@ MIN_LOSS_SCALE = 1e-4  # fp16: below this loss scale gradients overflow even uns
 RESUMABLE_CHANGES = (
     "train.save_dir", "train.device", "train.threads", "train.precision", "train.fused_optimizer",
     "train.max_updates", "train.max_epochs", "train.max_minutes", "train.patience", "train.max_bad_updates",
-    "train.validate_every", "train.valid_bleu_max_sentences", "train.valid_beam_size", "train.save_every",
-    "train.keep_checkpoints", "train.log_every", "train.progress", "data.path", "decode.")
+    "train.validate_every", "train.valid_bleu_max_sentences", "train.valid_bleu_tokenize", "train.valid_beam_size",
+    "train.save_every", "train.keep_checkpoints", "train.log_every", "train.progress", "data.path",
+    "data.multilingual.init_checkpoint", "decode.")  # (a resumed run takes its weights from its own checkpoint)
 # saved reasons for a stop that a resume examines again (the budget or patience may have been raised)
 RECHECKED_STOPS = ("reached max_", "early stopping", "interrupted", "stopped after")
 

@@ -167,3 +167,181 @@ def test_checkpoints_without_checkpoint_last_are_kept_until_restart(copy_data: P
     finally:
         torch.set_num_threads(threads)
     assert load_checkpoint(run / "checkpoint_last.pt")["progress"]["update"] == 2
+
+
+# ---- second review: crash safety of the log, multilingual resume, schedules, DDP ----------------------------
+TRIM_WITH_A_FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from nmtflow.train.trainer import trim_log
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) like one on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+try:
+    trim_log(Path(sys.argv[1]), 10**9)
+except OSError as exc:
+    print(exc)
+"""
+
+
+def test_a_log_rewrite_that_fails_leaves_the_log_whole(tmp_path: Path) -> None:
+    """Resuming rewrites log.jsonl (trim_log): a full disk during the rewrite must not cut the run's history."""
+    import json
+    import subprocess
+    import sys
+
+    log = tmp_path / "log.jsonl"
+    text = "".join(json.dumps({"kind": "train", "update": u, "loss": 1.0 / u}) + "\n" for u in range(1, 400))
+    write(log, text + '{"kind": "tra')  # ends in a line torn by a kill
+    run = subprocess.run([sys.executable, "-c", TRIM_WITH_A_FULL_DISK, str(log), str(len(text) // 2)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == f"{log}: could not write the log (File too large); it is unchanged"
+    assert log.read_text(encoding="utf-8") == text + '{"kind": "tra'
+    assert [p.name for p in tmp_path.iterdir()] == ["log.jsonl"]  # no temporary file left behind
+
+
+@pytest.fixture(scope="module")
+def three_langs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny en/de/fr multi-way corpus (joint vocabulary): fr is added to an en↔de model."""
+    from nmtflow.data.prepare import prepare
+    from nmtflow.data.synthetic import generate_corpus
+
+    root = tmp_path_factory.mktemp("three")
+    generate_corpus(root / "raw", langs=("en", "de", "fr"), n_train=120, n_valid=4, n_test=2, seed=1)
+    prepare({"train": str(root / "raw" / "train"), "valid": str(root / "raw" / "valid")}, ["en", "de", "fr"],
+            root / "data", vocab_size=120, progress=False)
+    return root / "data"
+
+
+def bridge_run(data: Path, save_dir: Path, updates: int, **multilingual: object):
+    from nmtflow.config import load_config
+
+    return load_config(data={
+        "model": {"name": "bridge", "hidden_dim": 16, "encoder_layers": 1, "decoder_layers": 1, "dropout": 0.1,
+                  "bridge_heads": 2, "bridge_dim": 8, "input_feeding": False},
+        "data": {"path": str(data), "max_tokens": 300, "multilingual": multilingual},
+        "train": {"save_dir": str(save_dir), "lr": 5e-3, "warmup_updates": 1, "max_updates": updates,
+                  "validate_every": 0, "save_every": 0, "log_every": 1, "progress": False, "valid_bleu": False,
+                  "threads": 1}})
+
+
+def train_losses(trainer) -> list[float]:
+    from nmtflow.train.trainer import read_log
+
+    threads = torch.get_num_threads()
+    try:
+        result = trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+    return [e["loss"] for e in read_log(result.save_dir) if e["kind"] == "train"]
+
+
+def test_a_run_that_adds_a_language_resumes_without_its_init_checkpoint(three_langs: Path, tmp_path: Path) -> None:
+    """init_checkpoint starts the run; once it has checkpoint_last.pt, resuming needs only that (exactly)."""
+    from nmtflow.train.multilingual import MultilingualTrainer
+
+    train_losses(MultilingualTrainer(bridge_run(three_langs, tmp_path / "base", 2, langs=["en", "de"])))
+    init = tmp_path / "init.pt"
+    (tmp_path / "base" / "checkpoint_last.pt").rename(init)
+    add_fr = {"langs": ["en", "de"], "new_langs": ["fr"], "pairs": ["en-fr", "fr-en"], "init_checkpoint": str(init)}
+    full = train_losses(MultilingualTrainer(bridge_run(three_langs, tmp_path / "full", 4, **add_fr)))
+    train_losses(MultilingualTrainer(bridge_run(three_langs, tmp_path / "cut", 2, **add_fr)))
+    init.unlink()  # e.g. the base run's save dir was cleaned up
+    resumed = MultilingualTrainer(bridge_run(three_langs, tmp_path / "cut", 4, **add_fr))
+    frozen = {name for name, p in resumed.model.named_parameters() if not p.requires_grad}
+    assert frozen and all(".fr." not in name for name in frozen)  # the bridge, en and de stay frozen
+    assert train_losses(resumed) == full and len(full) == 4
+    a, b = (load_checkpoint(tmp_path / name / "checkpoint_last.pt") for name in ("full", "cut"))
+    assert b["langs"] == a["langs"] and b["vocab"] == a["vocab"]  # the base model's directions are still listed
+    assert {"en-de", "de-en", "en-fr", "fr-en"} <= set(b["langs"]["directions"])
+    with pytest.raises(CheckpointError, match=r"init\.pt: checkpoint not found"):  # a fresh start needs it
+        MultilingualTrainer(bridge_run(three_langs, tmp_path / "cut", 4, **add_fr), resume=False)
+
+
+def epoch_config(data: Path, save_dir: Path, max_epochs: int):
+    from tests.conftest import tiny_config
+
+    config = tiny_config(data, save_dir, max_updates=1000, max_epochs=max_epochs, update_freq=4, valid_bleu=False,
+                         validate_every=0, save_every=0, threads=1)
+    config.model.d_model, config.model.ffn_dim, config.model.encoder_layers, config.model.decoder_layers = 16, 32, 1, 1
+    config.data.max_tokens = 4000
+    return config
+
+
+def test_max_epochs_with_update_freq_stops_at_the_epochs_end(copy_data: Path, tmp_path: Path) -> None:
+    """An update does not take batches of the next epoch: max_epochs=1 trains on one pass exactly, and the cut run
+    continued to max_epochs=2 equals a run of two epochs."""
+    from nmtflow.train.trainer import Trainer
+
+    cut = Trainer(epoch_config(copy_data, tmp_path / "cut", 1))
+    batches = len(cut.epoch_batches(1))
+    assert batches % 4, batches  # the epoch's last update is short
+    first = train_losses(cut)
+    assert (cut.progress.epoch, cut.progress.position) == (2, 0)
+    assert cut.progress.update == len(first) == -(-batches // 4)
+    assert cut.progress.stopped == "reached max_epochs=1"
+    resumed = train_losses(Trainer(epoch_config(copy_data, tmp_path / "cut", 2)))
+    assert resumed == train_losses(Trainer(epoch_config(copy_data, tmp_path / "full", 2)))
+    assert len(resumed) == 2 * len(first)
+
+
+def test_ddp_update_freq_k_on_2_ranks_equals_2k_on_one_across_an_epochs_end(copy_data: Path, tmp_path: Path) -> None:
+    """README: N processes with update_freq k equal one with N·k; here also over the epoch's last, short update,
+    and both stop where max_epochs ends (the ranks shorten the same update, so they stay in step)."""
+    from nmtflow.train.trainer import Trainer, read_log
+    from tests.train.test_distributed import torchrun, write_config
+
+    def config(name: str, update_freq: int):
+        c = epoch_config(copy_data, tmp_path / name, 1)
+        c.train.update_freq, c.train.lr, c.train.warmup_updates, c.model.dropout = update_freq, 1e-3, 1, 0.0
+        return c
+
+    single = Trainer(config("single", 4))
+    assert (len(single.epoch_batches(1)) // 2) % 2  # each rank's epoch ends with an update of one batch
+    train_losses(single)
+    torchrun(write_config(config("ddp", 2), tmp_path / "ddp.yaml"))
+    logs = {name: [(e["update"], e["loss"]) for e in read_log(tmp_path / name) if e["kind"] == "train"]
+            for name in ("single", "ddp")}
+    assert [u for u, _ in logs["ddp"]] == [u for u, _ in logs["single"]] == list(range(1, single.progress.update + 1))
+    assert [loss for _, loss in logs["ddp"]] == pytest.approx([loss for _, loss in logs["single"]], rel=1e-5)
+    ddp = load_checkpoint(tmp_path / "ddp" / "checkpoint_last.pt")["progress"]
+    assert (ddp["epoch"], ddp["position"], ddp["stopped"]) == (2, 0, "reached max_epochs=1")
+    assert len(list((tmp_path / "ddp" / "tensorboard").glob("events.*"))) == 1  # rank 0's scalars only
+
+
+TRAIN_WITH_A_FULL_DISK = """
+import resource, signal, sys
+from nmtflow.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) like one on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY))
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_a_full_disk_at_start_leaves_the_runs_config_yaml_whole(copy_data: Path, tmp_path: Path) -> None:
+    """config.yaml, the file a resume is told to use, is rewritten at every start: atomically, like the log."""
+    import subprocess
+    import sys
+
+    from nmtflow.train.checkpoint import remove_interrupted_saves
+
+    run, config = tmp_path / "run", run_config(tmp_path, copy_data)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["train", str(config), "--save-dir", str(run)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    saved = (run / "config.yaml").read_text(encoding="utf-8")
+    limit = len(saved) // 2
+    assert (run / "log.jsonl").stat().st_size < limit  # the log's rewrite fits: config.yaml's does not
+    again = subprocess.run([sys.executable, "-c", TRAIN_WITH_A_FULL_DISK, str(limit), "train", str(config),
+                            "--save-dir", str(run), "--set", "train.max_updates=3"],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert again.stderr.strip().splitlines()[-1] == (f"nmtflow train: error: {run / 'config.yaml'}: could not write "
+                                                     "the run's config (File too large); it is unchanged")
+    assert (run / "config.yaml").read_text(encoding="utf-8") == saved
+    for name in (".log.jsonl.x1.tmp", ".config.yaml.x2.tmp"):  # what a kill -9 during a rewrite leaves
+        write(run / name, "{")
+    assert sorted(p.name for p in remove_interrupted_saves(run)) == [".config.yaml.x2.tmp", ".log.jsonl.x1.tmp"]
+    assert not list(run.glob(".*.tmp"))
