@@ -159,6 +159,7 @@ class TrainConfig:
     validate_every: int = 1000  # updates; validation loss (and BLEU if valid_bleu)
     valid_bleu: bool = True
     valid_bleu_max_sentences: int | None = 500
+    valid_bleu_tokenize: str = "13a"  # sacreBLEU's BLEU tokenizer for validation BLEU (zh, ja-mecab, char, ...)
     valid_beam_size: int = 1
     save_every: int = 1000  # updates; also writes checkpoint_last.pt
     keep_checkpoints: int = 5  # periodic checkpoints kept on disk (checkpoint_last / _best always)
@@ -186,6 +187,13 @@ class TrainConfig:
                 raise ConfigError(f"{where}.{name}: must be >= 1 or null, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**32:  # torch and numpy take no negative seeds
             raise ConfigError(f"{where}.seed: must be in [0, 2**32), got {self.seed}")
+        if self.valid_bleu_tokenize != "13a":
+            from nmtflow.evaluate.metrics import check_tokenizer  # (imports sacreBLEU only where it is needed)
+
+            try:
+                check_tokenizer(self.valid_bleu_tokenize)
+            except ValueError as exc:
+                raise ConfigError(f"{where}.valid_bleu_tokenize: {exc}") from None
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ConfigError(f"{where}.max_minutes: must be > 0 or null, got {self.max_minutes}")
         if self.early_stop_metric not in EARLY_STOP_METRICS:

@@ -51,6 +51,9 @@ LEGACY_VOLATILE = {("train", "save_dir"), ("train", "max_updates"), ("train", "m
                    ("train", "keep_checkpoints"), ("data", "path")}
 VOLATILE = LEGACY_VOLATILE | {("train", "log_every")}
 VOLATILE_SECTIONS = {"decode"}
+# settings added after comparisons were first run: at these defaults they are left out of the fingerprint, so that
+# runs trained before the setting existed (their run.yaml and finished.json lack it) are still this config's runs
+LATER_DEFAULTS = {("train", "valid_bleu_tokenize"): "13a"}
 
 
 @dataclass
@@ -228,10 +231,14 @@ def _volatile(key: tuple[str, ...], legacy: bool = False) -> bool:
     return key[:2] in LEGACY_VOLATILE if legacy else key[:2] in VOLATILE or key[0] in VOLATILE_SECTIONS
 
 
+_ANY = object()  # no recorded default: never equal to a value
+
+
 def fingerprint(config: dict[str, Any], legacy: bool = False) -> str:
     """A hash of what defines a trained run: the resolved config without paths, budget, device, logging and
     decode settings (``legacy``: the hash of earlier versions, which kept the decode section and log_every)."""
-    kept = {section: {k: v for k, v in values.items() if not _volatile((section, k), legacy)}
+    kept = {section: {k: v for k, v in values.items()
+                      if not _volatile((section, k), legacy) and LATER_DEFAULTS.get((section, k), _ANY) != v}
             if isinstance(values, dict) else values for section, values in config.items()
             if legacy or section not in VOLATILE_SECTIONS}
     return hashlib.sha1(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
@@ -292,6 +299,8 @@ def run_config(exp: ExperimentConfig, index: int, seed: int, data: PreparedData,
     tc.max_epochs, tc.max_minutes = b.epochs, b.minutes
     if exp.threads:
         tc.threads = exp.threads
+    if exp.bleu_tokenize != "13a" and tc.valid_bleu_tokenize == "13a":  # validation BLEU as test BLEU
+        tc.valid_bleu_tokenize = exp.bleu_tokenize
     if exp.average_last:
         tc.keep_checkpoints = max(tc.keep_checkpoints, exp.average_last)
     return config
@@ -305,7 +314,10 @@ def _check_previous(run_dir: Path, config_dict: dict[str, Any], fp: str) -> None
     previous = yaml.safe_load(old.read_text(encoding="utf-8")) or {}
     if fingerprint(previous) != fp:
         a, b = _flat(previous), _flat(config_dict)
-        changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _volatile(tuple(k.split("."))))
+        later = {".".join(key) for key, default in LATER_DEFAULTS.items() if a.get(".".join(key), default) == default
+                 and b.get(".".join(key), default) == default}  # absent on one side, the default on the other
+        changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _volatile(tuple(k.split(".")))
+                         and k not in later)
         raise ConfigError(f"{run_dir} holds a run trained with another config (changed: "
                           f"{', '.join(changed[:5]) or '?'}); use another --out or delete that directory")
 

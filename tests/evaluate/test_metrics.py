@@ -95,3 +95,37 @@ def test_the_comparison_scores_and_tests_with_its_bleu_tokenizer(tmp_path: Path)
     for tokenize in ("13a", "zh"):
         result = paired_bootstrap(base, {"other": other}, refs, samples=20, tokenize=tokenize)["other"]
         assert result["bleu"] == pytest.approx(sacrebleu.metrics.BLEU(tokenize=tokenize).corpus_score(other, [refs]).score)
+
+
+def test_validation_bleu_uses_the_runs_tokenizer(copy_data: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmtflow.train import trainer as trainer_module
+    from tests.conftest import tiny_config
+
+    used: list[str] = []
+    real = trainer_module.bleu
+
+    def recording_bleu(hypotheses: list[str], references: list[str], tokenize: str = "13a") -> object:
+        used.append(tokenize)
+        return real(hypotheses, references, tokenize=tokenize)
+
+    monkeypatch.setattr(trainer_module, "bleu", recording_bleu)
+    config = tiny_config(copy_data, tmp_path / "run", max_updates=2, validate_every=2, valid_bleu_max_sentences=4,
+                         valid_bleu_tokenize="char")
+    trainer_module.Trainer(config).train()
+    assert used and set(used) == {"char"}
+    with pytest.raises(ConfigError, match="train.valid_bleu_tokenize: unknown BLEU tokenizer '13b'"):
+        tiny_config(copy_data, tmp_path / "bad", valid_bleu_tokenize="13b")
+
+
+def test_a_comparisons_bleu_tokenizer_reaches_its_runs_without_moving_earlier_fingerprints(tmp_path: Path) -> None:
+    from nmtflow.evaluate.compare import PreparedData, fingerprint, run_config
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY, encoding="utf-8")
+    data = PreparedData(dir=tmp_path / "data")
+    plain = run_config(load_experiment(path), 0, 1, data, tmp_path / "run").to_dict()
+    zh = run_config(load_experiment(path, ["bleu_tokenize=zh"]), 0, 1, data, tmp_path / "run").to_dict()
+    assert plain["train"]["valid_bleu_tokenize"] == "13a" and zh["train"]["valid_bleu_tokenize"] == "zh"
+    before = {**plain, "train": {k: v for k, v in plain["train"].items() if k != "valid_bleu_tokenize"}}
+    assert fingerprint(before) == fingerprint(plain) != fingerprint(zh)  # run.yaml of a version without the key
