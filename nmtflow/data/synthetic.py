@@ -10,10 +10,13 @@ subject-verb agreement).  Pure Python ``random.Random``: the same seed gives the
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
+
+log = logging.getLogger("nmtflow.corpus")
 
 DEFAULT_LANGS: tuple[str, ...] = ("en", "de", "fr")
 SUPPORTED_LANGS: tuple[str, ...] = ("en", "de", "fr")
@@ -775,6 +778,14 @@ def generate_corpus(out_dir: str | Path, langs: Sequence[str] = DEFAULT_LANGS, n
         rows.append(t)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # another language's files of an earlier corpus in out_dir are not aligned with this one: removed, not left to
+    # be prepared with it by mistake
+    stale = [out / f"{split}.{lang}" for split in sizes for lang in SUPPORTED_LANGS
+             if SUPPORTED_LANGS.index(lang) not in idx and (out / f"{split}.{lang}").is_file()]
+    for path in stale:
+        path.unlink()
+    if stale:
+        log.info("%s: removed %s of an earlier corpus (other languages)", out, ", ".join(p.name for p in stale))
     starts = dict(zip(_DRAW_ORDER, itertools.accumulate((sizes[s] for s in _DRAW_ORDER), initial=0)))
     for split, size in sizes.items():  # test.* written last (quickstart takes test.de as "the corpus is complete")
         for i in idx:

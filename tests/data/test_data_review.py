@@ -97,6 +97,16 @@ def test_synthetic_held_out_splits_do_not_depend_on_the_training_size(tmp_path: 
     assert [len(_lines(small / f"{s}.en")) for s in ("train", "valid", "test")] == [30, 8, 8]
 
 
+def test_a_corpus_written_over_another_removes_the_other_languages_files(tmp_path: Path) -> None:
+    """Before: en/de over an en/de/fr corpus left its train.fr, of the same length but not aligned with the new
+    train.en, ready to be prepared with it."""
+    generate_corpus(tmp_path, n_train=20, n_valid=4, n_test=4, seed=1)
+    (tmp_path / "notes.txt").write_text("mine\n", encoding="utf-8")
+    generate_corpus(tmp_path, langs=("en", "de"), n_train=20, n_valid=4, n_test=4, seed=2)
+    written = [f"{split}.{lang}" for split in ("train", "valid", "test") for lang in ("en", "de")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["notes.txt", *written])
+
+
 # ------------------------------------------------------------------------------------------ TSV reading
 def test_iter_tsv_drops_a_byte_order_mark_and_names_a_missing_file(tmp_path: Path) -> None:
     """Before: a TSV saved with a byte-order mark (e.g. by a spreadsheet) kept U+FEFF in its first field, and a
