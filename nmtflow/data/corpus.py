@@ -45,6 +45,9 @@ def read_lines(path: str | Path) -> list[str]:
         start = data.rfind(b"\n", 0, exc.start) + 1
         raise CorpusError(path, f"invalid UTF-8 at byte offset {exc.start - start} of the line ({exc.reason})",
                           line=data.count(b"\n", 0, exc.start) + 1) from None
+    if "\n" not in text and "\r" in text.rstrip("\r"):  # one "line" of several: translate would give one output
+        raise CorpusError(path, f"lines ended by CR alone (classic Mac; {text.count(chr(13))} carriage returns, no "
+                                "line feed): convert them with tr '\\r' '\\n'")
     lines = text.removeprefix("\ufeff").split("\n")  # a byte-order mark, as `prepare` tolerates it
     if lines and lines[-1] == "":
         lines.pop()

@@ -11,7 +11,7 @@ import torch
 from nmtflow.data.batching import ParallelBatches, TokenBatchSampler, collate, gather_rows
 from nmtflow.data.binarize import IndexedDataset, write_indexed
 from nmtflow.data.bitext import Bitext
-from nmtflow.data.corpus import CorpusError, iter_tsv
+from nmtflow.data.corpus import CorpusError, iter_tsv, read_lines
 from nmtflow.data.synthetic import generate_corpus
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -186,3 +186,15 @@ def test_a_special_piece_as_user_symbol_is_refused_before_training(tmp_path: Pat
     with pytest.raises(ValueError, match=f"user symbol '{symbol}' is one of the special pieces"):
         Tokenizer.train([text], tmp_path / "spm", vocab_size=40, user_symbols=["<2de>", symbol])
     assert not list(tmp_path.glob("*spm*"))
+
+
+def test_a_file_of_lines_ended_by_cr_alone_is_named_not_read_as_one_line(tmp_path: Path) -> None:
+    """Before: read as one line, so ``translate -i`` gave one output for three inputs."""
+    mac, windows = tmp_path / "mac.txt", tmp_path / "windows.txt"
+    mac.write_bytes(b"a b\rc d\re f\r")
+    windows.write_bytes(b"a b\r\nc d\r\n")
+    with pytest.raises(CorpusError, match=r"mac\.txt: lines ended by CR alone .*3 carriage returns"):
+        read_lines(mac)
+    assert read_lines(windows) == ["a b", "c d"]
+    mac.write_bytes(b"one line\r")  # a single line with its CR end is a line
+    assert read_lines(mac) == ["one line"]
