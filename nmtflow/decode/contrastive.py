@@ -3,6 +3,7 @@ incorrect variant of it? Candidates file: TSV, one source per line, then its cor
 one or more incorrect translations."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -42,7 +43,12 @@ def read_candidates(path: str | Path) -> list[Candidates]:
 
 
 def contrastive_accuracy(translator: Any, path: str | Path) -> dict[str, Any]:
-    """Share of sources whose correct translation scores strictly above all its incorrect ones."""
+    """Share of sources whose correct translation scores strictly above all its incorrect ones.
+
+    A candidate that tokenises as its line's correct translation (the same string, or one differing in spacing
+    only) ties with it, whatever batch each lands in: every distinct (source, target pieces) pair is scored once,
+    so scores never differ by batch-composition noise. A NaN score is a ValueError naming FILE:LINE.
+    """
     rows = read_candidates(path)
     sources, targets, origin = [], [], []  # origin: (line, field) of each scored pair's target
     for row in rows:
@@ -50,16 +56,27 @@ def contrastive_accuracy(translator: Any, path: str | Path) -> dict[str, Any]:
             sources.append(row.source)
             targets.append(tgt)
             origin.append((row.line, field))
+    first: dict[tuple[str, tuple[int, ...]], int] = {}  # (source, target ids) → its pair in ``unique``
+    slot = [first.setdefault((src, tuple(ids)), len(first))
+            for src, ids in zip(sources, translator.tgt_tokenizer.encode_batch(targets))]
+    unique = [0] * len(first)  # the first pair of each distinct one
+    for n in reversed(range(len(slot))):
+        unique[slot[n]] = n
 
     def where(n: int, side: str) -> str:
-        line, field = origin[n]
+        line, field = origin[unique[n]]
         field = 1 if side == "source" else field
         return f"{path}:{line}: field {field} ({field_name(field)})"
 
-    scores = translator.score(sources, targets, where=where)
+    distinct = translator.score([sources[n] for n in unique], [targets[n] for n in unique], where=where)
+    scores = [distinct[s] for s in slot]
     correct, pos = 0, 0
     for row in rows:
         group = scores[pos: pos + 1 + len(row.incorrect)]
+        if any(math.isnan(s) for s in group):
+            field = 2 + next(k for k, s in enumerate(group) if math.isnan(s))
+            raise ValueError(f"{path}:{row.line}: field {field} ({field_name(field)}): the model's score is NaN "
+                             "(a diverged checkpoint, or one overflowing at this precision?)")
         correct += int(all(group[0] > s for s in group[1:]))
         pos += 1 + len(row.incorrect)
     return {"accuracy": correct / len(rows), "correct": correct, "total": len(rows), "file": str(path)}

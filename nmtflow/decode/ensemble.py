@@ -85,10 +85,21 @@ class Ensemble(EncoderDecoder):
         return f"{len(self.members)} members: " + ", ".join(getattr(c, "name", "?") for c in self.config.members)
 
 
+def _direction(translator: Translator) -> tuple[str, str]:
+    """(source, target) language a translator reads and writes: its direction of a multilingual model, else its
+    checkpoint config's (``?`` where unknown)."""
+    src, tgt = getattr(translator.model, "src_lang", None), getattr(translator.model, "tgt_lang", None)
+    if src and tgt:
+        return src, tgt
+    data = getattr(translator.config, "data", None)
+    return str(getattr(data, "src_lang", "?")), str(getattr(data, "tgt_lang", "?"))
+
+
 def ensemble_translator(translators: list[Translator], names: list[str]) -> Translator:
     """One :class:`Translator` for several (from checkpoints ``names``): the first one's tokenizers and settings.
 
-    Members whose SentencePiece models differ from the first's, or that read another source prefix (a
+    Members whose SentencePiece models differ from the first's, that translate another direction (a joint
+    vocabulary does not tell a de→en model from an en→de one), or that read another source prefix (a
     language-label tag), are a :class:`CheckpointError` naming the checkpoint.
     """
     first = translators[0]
@@ -99,6 +110,10 @@ def ensemble_translator(translators: list[Translator], names: list[str]) -> Tran
                 raise CheckpointError(f"{name}: its {'source' if side == 'src' else 'target'} vocabulary is not "
                                       f"that of {names[0]}; the models of an ensemble must share their "
                                       "vocabularies (be trained on the same prepared data)")
+        if _direction(translator) != _direction(first):
+            raise CheckpointError(f"{name}: translates {'→'.join(_direction(translator))}, unlike {names[0]} "
+                                  f"({'→'.join(_direction(first))}); the models of an ensemble must translate "
+                                  "the same direction")
         if translator.src_prefix != first.src_prefix:
             raise CheckpointError(f"{name}: reads {'no' if translator.src_prefix is None else 'a'} target-language "
                                   f"tag before the source, unlike {names[0]}; a language-label model ensembles only "

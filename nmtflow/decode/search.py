@@ -103,6 +103,7 @@ def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_p
     scores = torch.zeros(n, 1, device=device)
     sentence_ids = torch.arange(n, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(n)]
+    ended_count = torch.zeros(n, dtype=torch.long, device=device)  # len(finished[s]) of each live sentence s
     for step in range(int(max_lens.max()) + 1):
         logits = model.decode(tokens[:, -1:], enc, state)[:, -1]
         lprobs = F.log_softmax(logits.float(), dim=-1)  # (n·width, V)
@@ -124,17 +125,15 @@ def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_p
             top_idx = F.pad(top_idx, (0, pad), value=PAD)
         top_beam, top_tok = top_idx // vocab, top_idx % vocab
         is_eos = top_tok.eq(EOS) & top_scores.ne(float("-inf"))
-        ended = is_eos[:, :k].nonzero().tolist()  # EOS within the K best candidates
-        if ended:
-            prefix = tokens[:, 1:].tolist()
-            for i, r in ended:
-                seq = prefix[i * width + int(top_beam[i, r])]
-                raw = float(top_scores[i, r])
-                finished[int(sentence_ids[i])].append(
-                    Hypothesis(seq, raw / length_penalty(len(seq) + 1, len_penalty), raw))
+        ended = is_eos[:, :k].nonzero()  # (m, 2): EOS within the K best candidates
+        if ended.numel():  # only the ended prefixes leave the device, in one transfer each
+            i, r = ended.unbind(1)
+            seqs = tokens.index_select(0, i * width + top_beam[i, r])[:, 1:].tolist()
+            for sid, seq, raw in zip(sentence_ids[i].tolist(), seqs, top_scores[i, r].tolist()):
+                finished[sid].append(Hypothesis(seq, raw / length_penalty(len(seq) + 1, len_penalty), raw))
+            ended_count += is_eos[:, :k].sum(1)
         live_scores, pick = top_scores.masked_fill(is_eos, float("-inf")).topk(k, dim=1)  # (n, K)
-        done = torch.tensor([len(finished[int(s)]) >= k for s in sentence_ids], device=device)
-        done |= max_lens <= step
+        done = (ended_count >= k) | (max_lens <= step)
         if bool(done.all()):
             break
         keep = (~done).nonzero().squeeze(1)
@@ -147,7 +146,7 @@ def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_p
             first_row = keep * width  # encoder rows are identical across a sentence's beams
             enc = reorder(enc, first_row.repeat_interleave(k) if width == 1
                           else (first_row[:, None] + torch.arange(k, device=device)).view(-1))
-            sentence_ids, max_lens = sentence_ids[keep], max_lens[keep]
+            sentence_ids, max_lens, ended_count = sentence_ids[keep], max_lens[keep], ended_count[keep]
         scores = live_scores[keep]
         n, width = keep.numel(), k
     return [sorted(h, key=lambda h: -h.score)[:nbest] for h in finished]
@@ -164,9 +163,11 @@ def greedy_search(model: EncoderDecoder, src: Tensor, *, max_len_a: float = 1.5,
     state: State = {}
     last = torch.full((n, 1), BOS, dtype=torch.long, device=device)
     alive = torch.arange(n, device=device)
-    outputs: list[list[int]] = [[] for _ in range(n)]
-    logprob = [0.0] * n
-    for step in range(int(max_lens.max()) + 1):
+    steps = int(max_lens.max()) + 1
+    out = torch.full((n, steps), EOS, dtype=torch.long, device=device)  # each sentence's picks, EOS after its end
+    logprob = torch.zeros(n, dtype=torch.float32 if device.type == "mps" else torch.float64,  # (MPS: no float64)
+                          device=device)
+    for step in range(steps):
         lprobs = F.log_softmax(model.decode(last, enc, state)[:, -1].float(), dim=-1)
         lprobs[:, PAD] = float("-inf")
         lprobs[:, BOS] = float("-inf")
@@ -176,11 +177,8 @@ def greedy_search(model: EncoderDecoder, src: Tensor, *, max_len_a: float = 1.5,
         best_lp, best = lprobs.max(-1)
         best = torch.where(at_limit, torch.full_like(best, EOS), best)
         best_lp = torch.where(best.eq(EOS), lprobs[:, EOS], best_lp)
-        for i, (tok, lp) in enumerate(zip(best.tolist(), best_lp.tolist())):
-            sid = int(alive[i])
-            logprob[sid] += lp
-            if tok != EOS:
-                outputs[sid].append(tok)
+        out[alive, step] = best
+        logprob.index_add_(0, alive, best_lp.to(logprob.dtype))
         keep = best.ne(EOS).nonzero().squeeze(1)
         if keep.numel() == 0:
             break
@@ -188,6 +186,9 @@ def greedy_search(model: EncoderDecoder, src: Tensor, *, max_len_a: float = 1.5,
             enc, state = reorder(enc, keep), reorder(state, keep)
             alive = alive[keep]
         last = best[keep].view(-1, 1)
+    lengths = out.ne(EOS).sum(1).tolist()  # tokens before each sentence's EOS (none is EOS but the last)
+    outputs = [row[:length] for row, length in zip(out.tolist(), lengths)]
+    logprob = logprob.tolist()
     return [Hypothesis(o, lp / length_penalty(len(o) + 1, len_penalty), lp) for o, lp in zip(outputs, logprob)]
 
 
