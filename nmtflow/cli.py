@@ -589,7 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics", nargs="+", default=["bleu", "chrf"], metavar="METRIC",
                    help="bleu, chrf, chrf++, ter (default: bleu chrf)")
     p.add_argument("--tokenize", default="13a", help="sacreBLEU's BLEU tokenizer: 13a (default), intl, zh, char, "
-                   "none, ja-mecab, ko-mecab, flores101, flores200 (the last four need extras or a download)")
+                   "none, or one that needs extras or a download (ja-mecab, ko-mecab, spm, flores101, flores200, "
+                   "spBLEU-1K)")
     p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF (TER always is)")
     p.add_argument("--perplexity", action="store_true",
                    help="instead: perplexity of CHECKPOINT on --data DIR --split NAME (teacher-forced)")

@@ -218,6 +218,7 @@ def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]
                                                         else "")
         + (", " + ", ".join(f"{k} {v}" for k, v in search.items()) if search else ", each run's decode settings")
         + (f", first {exp.decode.max_sentences} sentences" if exp.decode.max_sentences else ""),
+        f"- scores: sacreBLEU BLEU (tokenizer {exp.bleu_tokenize}, cased) and chrF2; signatures in results.json",
         f"- {memory}; wall time: training loop (validation included)", "",
     ]
     failures = [f"- {r['name']} seed {s['seed']}: {s['status']}: {s['error']}" for r in runs for s in r["seeds"]

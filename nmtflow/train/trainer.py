@@ -425,8 +425,9 @@ class Trainer:
     def train(self) -> TrainResult:
         tc = self.config.train
         p = self.progress
-        log.info("model %s: %s parameters; %d training pairs, %d batches per epoch", self.config.model.name,
-                 f"{count_parameters(self.model):,}", len(self.train_data), len(self.epoch_batches(p.epoch)))
+        log.info("model %s: %s parameters; %d training pairs, %d batches per epoch%s", self.config.model.name,
+                 f"{count_parameters(self.model):,}", len(self.train_data), len(self.epoch_batches(p.epoch)),
+                 f" in each of {self.dist.world_size} processes" if self.dist.world_size > 1 else "")
         bar = tqdm(total=tc.max_updates, initial=p.update, disable=not (tc.progress and self.dist.is_main) or None,
                    desc="train", unit="upd", dynamic_ncols=True)
         start = time.perf_counter() - p.elapsed
