@@ -234,24 +234,22 @@ def _refuse(args: argparse.Namespace, options: Iterable[str], why: str) -> None:
 
 @command
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from nmtflow.evaluate.metrics import METRICS, check_tokenizer, corpus_scores
+    from nmtflow.config import BLEU_TOKENIZER
+    from nmtflow.evaluate.metrics import DEFAULT_METRICS, check_metrics, check_tokenizer, corpus_scores
 
     if args.perplexity:
-        _refuse(args, ("hyp", "src", "ref", "output", "lowercase", *SEARCH_OPTIONS), "does not apply to --perplexity "
-                "(teacher-forced scoring of --data's split; nothing is translated)")
-        if args.metrics != ["bleu", "chrf"] or args.tokenize != "13a":
-            raise ValueError(f"{'--metrics' if args.metrics != ['bleu', 'chrf'] else '--tokenize'}: does not apply "
-                             "to --perplexity (nothing is translated)")
+        _refuse(args, ("hyp", "src", "ref", "output", "metrics", "tokenize", "lowercase", *SEARCH_OPTIONS),
+                "does not apply to --perplexity (teacher-forced scoring of --data's split; nothing is translated)")
         return _evaluate_perplexity(args)
-    unknown = [m for m in args.metrics if m not in METRICS]
-    if unknown:
-        raise ValueError(f"--metrics: unknown {unknown[0]!r} (known: {', '.join(METRICS)})")
-    if args.tokenize != "13a" and "bleu" not in args.metrics:
+    metrics = args.metrics or DEFAULT_METRICS
+    if args.tokenize not in (None, BLEU_TOKENIZER) and "bleu" not in metrics:
         raise ValueError("--tokenize: sets BLEU's tokenizer, but --metrics has no bleu")
-    try:
-        check_tokenizer(args.tokenize)  # before anything is translated
-    except ValueError as exc:
-        raise ValueError(f"--tokenize: {exc}") from None
+    for option, check, value in (("--metrics", check_metrics, metrics),
+                                 ("--tokenize", check_tokenizer, args.tokenize or BLEU_TOKENIZER)):
+        try:
+            check(value)  # before anything is translated
+        except ValueError as exc:
+            raise ValueError(f"{option}: {exc}") from None
     _refuse(args, ("data",), "is for --perplexity; BLEU and chrF score --hyp, or CHECKPOINT's translations of --src")
     if args.hyp:
         _refuse(args, SEARCH_OPTIONS, "--hyp scores a file of translations: nothing is searched")
@@ -282,7 +280,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         if args.output:
             with output_file(args.output) as out:
                 out.write("".join(h + "\n" for h in hyps))
-    scores = corpus_scores(hyps, refs, args.metrics, tokenize=args.tokenize, lowercase=args.lowercase)
+    scores = corpus_scores(hyps, refs, metrics, tokenize=args.tokenize or BLEU_TOKENIZER, lowercase=args.lowercase)
     if args.json:
         print(json.dumps({s.name: {"score": round(s.score, 2), "signature": s.signature} for s in scores}))
     else:
@@ -586,9 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--src", help="source file to translate with CHECKPOINT")
     p.add_argument("--ref", nargs="+", metavar="REF", help="reference file(s): several are references of the same "
                    "lines (multi-reference scores)")
-    p.add_argument("--metrics", nargs="+", default=["bleu", "chrf"], metavar="METRIC",
+    p.add_argument("--metrics", nargs="+", metavar="METRIC",
                    help="bleu, chrf, chrf++, ter (default: bleu chrf)")
-    p.add_argument("--tokenize", default="13a", help="sacreBLEU's BLEU tokenizer: 13a (default), intl, zh, char, "
+    p.add_argument("--tokenize", help="sacreBLEU's BLEU tokenizer: 13a (default), intl, zh, char, "
                    "none, or one that needs extras or a download (ja-mecab, ko-mecab, spm, flores101, flores200, "
                    "spBLEU-1K)")
     p.add_argument("--lowercase", action="store_true", help="case-insensitive BLEU and chrF (TER always is)")

@@ -133,6 +133,21 @@ class DataConfig:
                 raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")
 
 
+BLEU_TOKENIZER = "13a"  # sacreBLEU's default BLEU tokenizer, used unless a config names another
+
+
+def check_bleu_tokenizer(name: str, where: str) -> None:
+    """A ConfigError at ``where`` for a BLEU tokenizer sacreBLEU lacks or cannot set up here (sacreBLEU is imported
+    only for a tokenizer other than the default)."""
+    if name != BLEU_TOKENIZER:
+        from nmtflow.evaluate.metrics import check_tokenizer
+
+        try:
+            check_tokenizer(name)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+
 @dataclass
 class TrainConfig:
     """Optimisation, validation, checkpointing and logging."""
@@ -159,7 +174,7 @@ class TrainConfig:
     validate_every: int = 1000  # updates; validation loss (and BLEU if valid_bleu)
     valid_bleu: bool = True
     valid_bleu_max_sentences: int | None = 500
-    valid_bleu_tokenize: str = "13a"  # sacreBLEU's BLEU tokenizer for validation BLEU (zh, ja-mecab, char, ...)
+    valid_bleu_tokenize: str = BLEU_TOKENIZER  # sacreBLEU's BLEU tokenizer for validation BLEU (zh, ja-mecab, char, ...)
     valid_beam_size: int = 1
     save_every: int = 1000  # updates; also writes checkpoint_last.pt
     keep_checkpoints: int = 5  # periodic checkpoints kept on disk (checkpoint_last / _best always)
@@ -187,13 +202,7 @@ class TrainConfig:
                 raise ConfigError(f"{where}.{name}: must be >= 1 or null, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**32:  # torch and numpy take no negative seeds
             raise ConfigError(f"{where}.seed: must be in [0, 2**32), got {self.seed}")
-        if self.valid_bleu_tokenize != "13a":
-            from nmtflow.evaluate.metrics import check_tokenizer  # (imports sacreBLEU only where it is needed)
-
-            try:
-                check_tokenizer(self.valid_bleu_tokenize)
-            except ValueError as exc:
-                raise ConfigError(f"{where}.valid_bleu_tokenize: {exc}") from None
+        check_bleu_tokenizer(self.valid_bleu_tokenize, f"{where}.valid_bleu_tokenize")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ConfigError(f"{where}.max_minutes: must be > 0 or null, got {self.max_minutes}")
         if self.early_stop_metric not in EARLY_STOP_METRICS:
@@ -478,7 +487,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str],
     data = dict(data)
     for text in overrides:
         keys, value = parse_override(text)
-        if len(keys) == 1 and value is None and keys[0] in SECTIONS:  # `model=null` would silently rebuild the default Transformer
+        if len(keys) == 1 and value is None and keys[0] in SECTIONS:  # `model=null`: the default Transformer
             raise ConfigError(f"override {text!r}: {keys[0]!r} is a section, not a value; set its keys "
                               f"({keys[0]}.KEY=VALUE)")
         if origins is not None:

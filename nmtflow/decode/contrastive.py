@@ -56,12 +56,14 @@ def contrastive_accuracy(translator: Any, path: str | Path) -> dict[str, Any]:
             sources.append(row.source)
             targets.append(tgt)
             origin.append((row.line, field))
-    first: dict[tuple[str, tuple[int, ...]], int] = {}  # (source, target ids) → its pair in ``unique``
-    slot = [first.setdefault((src, tuple(ids)), len(first))
-            for src, ids in zip(sources, translator.tgt_tokenizer.encode_batch(targets))]
-    unique = [0] * len(first)  # the first pair of each distinct one
-    for n in reversed(range(len(slot))):
-        unique[slot[n]] = n
+    slot_of: dict[tuple[str, tuple[int, ...]], int] = {}  # (source, target ids) → its slot among the distinct
+    unique: list[int] = []  # the first pair of each distinct one
+    slot = []  # each pair's slot
+    for n, (src, ids) in enumerate(zip(sources, translator.tgt_tokenizer.encode_batch(targets))):
+        if (src, tuple(ids)) not in slot_of:
+            slot_of[src, tuple(ids)] = len(unique)
+            unique.append(n)
+        slot.append(slot_of[src, tuple(ids)])
 
     def where(n: int, side: str) -> str:
         line, field = origin[unique[n]]

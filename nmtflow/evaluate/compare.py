@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from nmtflow.config import Config, ConfigError, load_config, to_dict, yaml_dump
+from nmtflow.config import BLEU_TOKENIZER, Config, ConfigError, load_config, to_dict, yaml_dump
 from nmtflow.train.trainer import on_signals
 from nmtflow.evaluate.compare_job import (EXIT_INTERRUPTED, FINISHED, TRAINED, Interrupted, beyond_budget,
                                           is_trained, read_json, run_job, write_json)
@@ -53,7 +53,7 @@ VOLATILE = LEGACY_VOLATILE | {("train", "log_every")}
 VOLATILE_SECTIONS = {"decode"}
 # settings added after comparisons were first run: at these defaults they are left out of the fingerprint, so that
 # runs trained before the setting existed (their run.yaml and finished.json lack it) are still this config's runs
-LATER_DEFAULTS = {("train", "valid_bleu_tokenize"): "13a"}
+LATER_DEFAULTS = {("train", "valid_bleu_tokenize"): BLEU_TOKENIZER}
 
 
 @dataclass
@@ -299,7 +299,7 @@ def run_config(exp: ExperimentConfig, index: int, seed: int, data: PreparedData,
     tc.max_epochs, tc.max_minutes = b.epochs, b.minutes
     if exp.threads:
         tc.threads = exp.threads
-    if exp.bleu_tokenize != "13a" and tc.valid_bleu_tokenize == "13a":  # validation BLEU as test BLEU
+    if exp.bleu_tokenize != BLEU_TOKENIZER and tc.valid_bleu_tokenize == BLEU_TOKENIZER:  # validation BLEU as test BLEU
         tc.valid_bleu_tokenize = exp.bleu_tokenize
     if exp.average_last:
         tc.keep_checkpoints = max(tc.keep_checkpoints, exp.average_last)
@@ -313,11 +313,9 @@ def _check_previous(run_dir: Path, config_dict: dict[str, Any], fp: str) -> None
         return
     previous = yaml.safe_load(old.read_text(encoding="utf-8")) or {}
     if fingerprint(previous) != fp:
-        a, b = _flat(previous), _flat(config_dict)
-        later = {".".join(key) for key, default in LATER_DEFAULTS.items() if a.get(".".join(key), default) == default
-                 and b.get(".".join(key), default) == default}  # absent on one side, the default on the other
-        changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _volatile(tuple(k.split(".")))
-                         and k not in later)
+        later = {".".join(key): default for key, default in LATER_DEFAULTS.items()}  # what a run.yaml may lack
+        a, b = {**later, **_flat(previous)}, {**later, **_flat(config_dict)}
+        changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _volatile(tuple(k.split("."))))
         raise ConfigError(f"{run_dir} holds a run trained with another config (changed: "
                           f"{', '.join(changed[:5]) or '?'}); use another --out or delete that directory")
 
@@ -395,7 +393,7 @@ def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
             items = decode_items(exp, data, multilingual)
             ev = {"checkpoint": exp.checkpoint, "average_last": exp.average_last,
                   "search": exp.decode.search_overrides(), "max_sentences": exp.decode.max_sentences, "items": items}
-            if exp.bleu_tokenize != "13a":  # in the key only where set: 13a runs keep their earlier keys
+            if exp.bleu_tokenize != BLEU_TOKENIZER:  # in the key only where set: the others keep earlier keys
                 ev["bleu_tokenize"] = exp.bleu_tokenize
             # earlier versions decoded with the checkpoint's decode section, which their fingerprint pinned
             legacy = {"fingerprint": fingerprint(config_dict, legacy=True), "eval_key": _eval_key(ev)}
@@ -407,7 +405,8 @@ def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
                          "config_source": str(resolve_config_path(run.config, exp.file)),
                          "fingerprint": fp, "budget": to_dict(exp.budget), "eval": ev, "eval_key": _eval_key(ev),
                          "legacy": legacy, "previous": previous, "multilingual": multilingual,
-                         "device": config.train.device, "threads": exp.threads, "plugins": list(plugins or []), "_config": config_dict})
+                         "device": config.train.device, "threads": exp.threads, "plugins": list(plugins or []),
+                         "_config": config_dict})
     return jobs
 
 

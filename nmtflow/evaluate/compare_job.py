@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from nmtflow.config import BLEU_TOKENIZER
 from nmtflow.data.corpus import read_lines
 from nmtflow.runtime import keep_freed_memory
 
@@ -217,7 +218,7 @@ def decode_items(ev: dict[str, Any], translator_for: Callable[[str, str], Any], 
         seconds = time.perf_counter() - start
         hyp_file = out_dir / f"hyp.{item['test_set']}.{item['direction']}.txt"
         hyp_file.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-        b, c = bleu(hyps, ref, tokenize=ev.get("bleu_tokenize", "13a")), chrf(hyps, ref)
+        b, c = bleu(hyps, ref, tokenize=ev.get("bleu_tokenize", BLEU_TOKENIZER)), chrf(hyps, ref)
         scores[item["key"]] = {"bleu": b.score, "chrf": c.score, "sentences": len(src), "decode_seconds": seconds,
                                "bleu_signature": b.signature, "chrf_signature": c.signature,
                                "hypotheses": hyp_file.name}

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nmtflow.config import (PRESETS_DIR, ConfigError, apply_overrides, coerce, name_origin, parse_override,
-                            read_yaml)
+from nmtflow.config import (BLEU_TOKENIZER, PRESETS_DIR, ConfigError, apply_overrides, check_bleu_tokenizer, coerce,
+                            name_origin, parse_override, read_yaml)
 
 # keys the experiment sets for every run (the budget must be equal; seeds and data are the experiment's)
 RESERVED_KEYS = ("train.max_updates", "train.max_epochs", "train.max_minutes", "train.seed", "train.save_dir",
@@ -174,7 +174,7 @@ class ExperimentConfig:
     test_sets: list[str] = field(default_factory=lambda: ["test"])  # split names (keys of data.splits)
     ensemble: bool = False  # also decode each run's seeds as one ensemble (needs two or more seeds)
     bootstrap_samples: int = 1000  # paired bootstrap resampling of each run's BLEU against the first run (0: none)
-    bleu_tokenize: str = "13a"  # sacreBLEU's BLEU tokenizer for test BLEU and its significance (zh, ja-mecab, ...)
+    bleu_tokenize: str = BLEU_TOKENIZER  # sacreBLEU's BLEU tokenizer for test BLEU and its significance (zh, ja-mecab, ...)
     device: str = "auto"
     threads: int | None = None  # torch CPU threads of each run (training and decoding)
     isolate: bool = True  # train and decode each run in its own process
@@ -198,13 +198,7 @@ class ExperimentConfig:
         if self.bootstrap_samples < 0:
             raise ConfigError(f"{where}: bootstrap_samples: must be >= 0 (0: no significance test), got "
                               f"{self.bootstrap_samples}")
-        if self.bleu_tokenize != "13a":
-            from nmtflow.evaluate.metrics import check_tokenizer
-
-            try:
-                check_tokenizer(self.bleu_tokenize)
-            except ValueError as exc:
-                raise ConfigError(f"{where}: bleu_tokenize: {exc}") from None
+        check_bleu_tokenizer(self.bleu_tokenize, f"{where}: bleu_tokenize")
         if self.average_last is not None and self.average_last < 1:
             raise ConfigError(f"{where}: average_last: must be >= 1 (or null for no averaging)")
         choice = self.decode.checkpoint

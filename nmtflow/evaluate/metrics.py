@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import sacrebleu
+
+from nmtflow.config import BLEU_TOKENIZER
 
 
 @dataclass
@@ -21,15 +23,16 @@ class Score:
 
 BLEU_TOKENIZERS: tuple[str, ...] = tuple(sacrebleu.metrics.BLEU.TOKENIZERS)  # 13a, intl, zh, ja-mecab, char, ...
 METRICS = ("bleu", "chrf", "chrf++", "ter")
+DEFAULT_METRICS = ("bleu", "chrf")
 
 
-def _metric(make: Callable[[], Any], what: str) -> Any:
-    """sacreBLEU's metric object, or a one-line error when its tokeniser cannot be set up here (ja-mecab without
-    its package, flores200 without the network)."""
+def _bleu_metric(tokenize: str, lowercase: bool = False) -> sacrebleu.metrics.BLEU:
+    """sacreBLEU's BLEU, or a one-line error when its tokenizer cannot be set up here (ja-mecab without its
+    package, flores200 without the network)."""
     try:
-        return make()
+        return sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=lowercase)
     except Exception as exc:  # noqa: BLE001 - sacreBLEU raises anything from ImportError to HTTP errors
-        raise ValueError(f"{what}: sacreBLEU cannot set it up here ({type(exc).__name__}: "
+        raise ValueError(f"BLEU tokenizer {tokenize!r}: sacreBLEU cannot set it up here ({type(exc).__name__}: "
                          f"{' '.join(str(exc).split())})") from None
 
 
@@ -37,13 +40,20 @@ def check_tokenizer(tokenize: str) -> None:
     """A ValueError now, before anything is translated, for a BLEU tokenizer sacreBLEU lacks or cannot set up."""
     if tokenize not in BLEU_TOKENIZERS:
         raise ValueError(f"unknown BLEU tokenizer {tokenize!r} (sacreBLEU's: {', '.join(BLEU_TOKENIZERS)})")
-    _metric(lambda: sacrebleu.metrics.BLEU(tokenize=tokenize), f"BLEU tokenizer {tokenize!r}")
+    _bleu_metric(tokenize)
 
 
-def bleu(hypotheses: list[str], *references: list[str], tokenize: str = "13a", lowercase: bool = False) -> Score:
+def check_metrics(metrics: Sequence[str]) -> None:
+    """A ValueError naming the first of ``metrics`` that is not in :data:`METRICS`."""
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown:
+        raise ValueError(f"unknown {unknown[0]!r} (known: {', '.join(METRICS)})")
+
+
+def bleu(hypotheses: list[str], *references: list[str], tokenize: str = BLEU_TOKENIZER,
+         lowercase: bool = False) -> Score:
     """Detokenised corpus BLEU against one or more reference streams (cased, 13a tokenisation by default)."""
-    metric = _metric(lambda: sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=lowercase),
-                     f"BLEU tokenizer {tokenize!r}")
+    metric = _bleu_metric(tokenize, lowercase)
     result = metric.corpus_score(hypotheses, list(references))
     return Score("BLEU", result.score, str(metric.get_signature()))
 
@@ -63,12 +73,13 @@ def ter(hypotheses: list[str], *references: list[str]) -> Score:
     return Score("TER", result.score, str(metric.get_signature()))
 
 
-def corpus_scores(hypotheses: list[str], references: list[list[str]], metrics: Sequence[str] = ("bleu", "chrf"), *,
-                  tokenize: str = "13a", lowercase: bool = False) -> list[Score]:
+def corpus_scores(hypotheses: list[str], references: list[list[str]], metrics: Sequence[str] = DEFAULT_METRICS, *,
+                  tokenize: str = BLEU_TOKENIZER, lowercase: bool = False) -> list[Score]:
     """``metrics`` (names from METRICS) of ``hypotheses`` against every stream in ``references``."""
-    unknown = [m for m in metrics if m not in METRICS]
-    if unknown:
-        raise ValueError(f"unknown metric {unknown[0]!r} (known: {', '.join(METRICS)})")
+    try:
+        check_metrics(metrics)
+    except ValueError as exc:
+        raise ValueError(f"metric: {exc}") from None
     make = {"bleu": lambda: bleu(hypotheses, *references, tokenize=tokenize, lowercase=lowercase),
             "chrf": lambda: chrf(hypotheses, *references, lowercase=lowercase),
             "chrf++": lambda: chrf(hypotheses, *references, word_order=2, lowercase=lowercase),

@@ -13,11 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+from nmtflow.config import BLEU_TOKENIZER
 from nmtflow.data.corpus import read_lines
 
 
 def paired_bootstrap(baseline: list[str], systems: dict[str, list[str]], refs: list[str],
-                     samples: int, tokenize: str = "13a") -> dict[str, dict[str, float]]:
+                     samples: int, tokenize: str = BLEU_TOKENIZER) -> dict[str, dict[str, float]]:
     """{system: {"bleu", "baseline_bleu", "delta", "p_value"}} of each system against ``baseline`` (sacreBLEU
     ``PairedTest``, bootstrap, ``samples`` resamples, its fixed resampling seed; BLEU with ``tokenize``)."""
     from sacrebleu.metrics import BLEU
@@ -55,7 +56,7 @@ def compare_to_baseline(outcomes: list[dict[str, Any]], run_names: list[str], sa
             if key not in base["result"]["scores"] or not systems:
                 continue
             tested = paired_bootstrap(_hypotheses(base, key), systems, references(item), samples,
-                                      base["eval"].get("bleu_tokenize", "13a"))
+                                      base["eval"].get("bleu_tokenize", BLEU_TOKENIZER))
             for other, result in tested.items():
                 out.setdefault(other, {}).setdefault(key, {})[seed] = result
     return out

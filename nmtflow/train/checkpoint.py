@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 
@@ -30,28 +31,40 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read; the message names the file."""
 
 
-def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
-    """torch.save to a temporary file in the same directory, fsync, then rename over ``path``.
+def write_atomic(path: str | Path, write: Callable[[BinaryIO], None], what: str, mode: int | None = None) -> None:
+    """``write(file)`` to a temporary file in ``path``'s directory, fsync, then rename it over ``path``.
 
-    The file gets the permissions of any new file (``0o666`` less the umask), not the temporary file's 0600.
-    A failed write (a full disk, say) leaves ``path`` as it was and raises an ``OSError`` naming it.
+    The file gets ``mode``, by default the permissions of any new file (``0o666`` less the umask), not the
+    temporary file's 0600. A failed write (a full disk, say) leaves ``path`` as it was and raises an ``OSError``
+    naming it and ``what`` it holds.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, new_file_mode())
+        os.fchmod(fd, new_file_mode() if mode is None else mode)
         with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise OSError(f"{path}: could not write the checkpoint ({reason[:200]})") from None
+            reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise OSError(f"{path}: could not write {what} ({reason[:200]}); it is unchanged") from None
         raise
+
+
+def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
+    """torch.save ``obj`` to ``path`` through :func:`write_atomic`."""
+    write_atomic(path, lambda handle: torch.save(obj, handle), "the checkpoint")
+
+
+def write_text_atomic(path: Path, text: str, what: str) -> None:
+    """``text`` (UTF-8) to ``path`` through :func:`write_atomic`, keeping an existing file's permissions."""
+    mode = stat.S_IMODE(path.stat().st_mode) if path.is_file() else None
+    write_atomic(path, lambda handle: handle.write(text.encode("utf-8")), what, mode)
 
 
 class SaveDirBusy(ValueError):
@@ -98,7 +111,7 @@ def unlock_save_dir(save_dir: str | Path) -> None:
 
 def remove_interrupted_saves(save_dir: str | Path) -> list[Path]:
     """Delete the temporary files of checkpoint writes (and of log.jsonl or config.yaml rewrites) that never finished
-    (a ``kill -9`` or power loss during :func:`save_atomic` or ``trainer.write_text_atomic``); call it only under
+    (a ``kill -9`` or power loss during :func:`write_atomic`); call it only under
     :func:`lock_save_dir`, when no save can be in progress."""
     leftovers = [p for pattern in (".checkpoint_*.tmp", ".log.jsonl.*.tmp", ".config.yaml.*.tmp")
                  for p in Path(save_dir).glob(pattern) if p.is_file()]

@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 import signal
-import tempfile
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -34,10 +32,11 @@ from nmtflow.data.tokenizer import Tokenizer, same_model
 from nmtflow.decode.translate import Translator, bytes_tensor, position_limits
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
-from nmtflow.runtime import autocast, keep_freed_memory, new_file_mode, use_precision
+from nmtflow.runtime import autocast, keep_freed_memory, use_precision
 from nmtflow.train import distributed
 from nmtflow.train.checkpoint import (FORMAT, load_checkpoint, lock_save_dir, periodic_checkpoints,
-                                      remove_interrupted_saves, save_atomic, unlock_save_dir)
+                                      remove_interrupted_saves, save_atomic, unlock_save_dir,
+                                      write_text_atomic)
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
@@ -635,30 +634,12 @@ def read_log(save_dir: str | Path) -> list[dict[str, Any]]:
 def trim_log(path: Path, update: int) -> None:
     """Keep the lines of ``path`` up to ``update`` (those after it come from the run's interrupted tail).
 
-    The rewrite is atomic (:func:`write_text_atomic`): a crash or a full disk during it leaves the old log whole.
+    The rewrite is atomic (:func:`~nmtflow.train.checkpoint.write_text_atomic`): a crash or a full disk during it
+    leaves the old log whole.
     """
     if path.is_file():
         kept = [line for line, entry in _log_entries(path) if entry.get("update", 0) <= update]
         write_text_atomic(path, "".join(line + "\n" for line in kept), "the log")
-
-
-def write_text_atomic(path: Path, text: str, what: str) -> None:
-    """Write ``text`` to a temporary file in ``path``'s directory, fsync, then rename it over ``path``: a crash or a
-    full disk leaves ``path`` as it was (an ``OSError`` naming it and ``what`` it holds), never half written."""
-    mode = os.stat(path).st_mode & 0o777 if path.is_file() else new_file_mode()  # not mkstemp's 0600
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            os.fchmod(handle.fileno(), mode)
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise OSError(f"{path}: could not write {what} ({exc.strerror or exc}); it is unchanged") from None
-        raise
 
 
 MIN_LOSS_SCALE = 1e-4  # fp16: below this loss scale gradients overflow even unscaled, so training stops
