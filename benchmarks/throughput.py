@@ -122,10 +122,8 @@ class Optimiser:
         with autocast(tc.precision, self.device):
             enc = model.encode(b.src)
             loss, _ = label_smoothed_nll(model.decode(b.tgt_in, enc), b.tgt_out, tc.label_smoothing)
-            total = loss / tokens
-            aux = model.auxiliary_loss(enc)
-            if aux is not None:
-                total = total + aux
+            aux = model.auxiliary_loss(enc, b.num_tgt_tokens)
+            total = (loss if aux is None else loss + aux) / tokens
         total.backward()
         params = [p for p in model.parameters() if p.grad is not None]
         torch.nn.utils.clip_grad_norm_(params, tc.clip_norm if tc.clip_norm > 0 else float("inf"))

@@ -486,6 +486,7 @@ def cmd_compare(args: argparse.Namespace) -> None:
     if only == []:
         raise ValueError(f"--only {args.only!r}: name one or more runs of the experiment, e.g. --only NAME,NAME")
     result = run_comparison(args.experiment, out=args.out, overrides=args.set, plugins=args.plugin, only=only)
+    print(result.table)
     print(f"results: {result.out / 'results.md'}")
     if result.failed:
         raise ValueError(f"{len(result.failed)} run(s) failed ({', '.join(result.failed)}); see "

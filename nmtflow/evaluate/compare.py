@@ -37,7 +37,8 @@ from nmtflow.config import BLEU_TOKENIZER, Config, ConfigError, load_config, to_
 from nmtflow.train.trainer import on_signals
 from nmtflow.evaluate.compare_job import (EXIT_INTERRUPTED, FINISHED, TRAINED, Interrupted, beyond_budget,
                                           is_trained, read_json, run_job, write_json)
-from nmtflow.evaluate.experiment import ExperimentConfig, load_experiment, parse_direction, resolve_config_path
+from nmtflow.evaluate.experiment import (ExperimentConfig, RunSpec, load_experiment, parse_direction,
+                                         resolve_config_path)
 
 log = logging.getLogger("nmtflow.compare")
 DATA_KEY = "experiment-data.json"
@@ -70,6 +71,7 @@ class ComparisonResult:
     files: list[Path]
     runs: list[dict[str, Any]]
     failed: list[str]
+    table: str = ""  # per run and direction: BLEU, lowercased BLEU, chrF and the paper's figure (results.md has it)
 
 
 # ---- output directory -----------------------------------------------------------------------------------
@@ -267,11 +269,19 @@ def check_runs(exp: ExperimentConfig) -> None:
     """Every run's config loads and every device exists, before any data is prepared or run trained."""
     import torch
 
-    src, tgt = parse_direction(exp.data.directions[0], f"{exp.file}: data.directions")
     for index, run in enumerate(exp.runs):
-        if load_run_config(exp, index).data.multilingual is None and src == tgt:
-            raise ConfigError(f"{exp.file}: data.directions: the bilingual run {run.name!r} takes the first "
-                              f"direction, {exp.data.directions[0]}: source and target are the same language")
+        multilingual = load_run_config(exp, index).data.multilingual is not None and not run.per_direction
+        if run.zero_shot and not multilingual:
+            raise ConfigError(f"{exp.file}: runs[{index}] ({run.name}): zero_shot: a bilingual run translates only "
+                              "the directions it is trained on")
+        if multilingual:
+            continue
+        for direction in bilingual_directions(exp, run):
+            src, tgt = parse_direction(direction, f"{exp.file}: data.directions")
+            if src == tgt:
+                where = f"runs[{index}] ({run.name}).directions" if run.directions else "data.directions"
+                raise ConfigError(f"{exp.file}: {where}: the bilingual run {run.name!r} trains {direction}: source "
+                                  "and target are the same language")
     for key, name in [("device", exp.device)] + [(f"devices[{i}]", d) for i, d in enumerate(exp.devices)]:
         if name.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"{exp.file}: {key}: {name}, but CUDA is not available on this machine")
@@ -280,16 +290,27 @@ def check_runs(exp: ExperimentConfig) -> None:
                               "CUDA device(s)")
 
 
-def run_config(exp: ExperimentConfig, index: int, seed: int, data: PreparedData, run_dir: Path) -> Config:
-    """The training config of run ``index`` with ``seed``: its file + overrides, then the experiment's settings."""
+def bilingual_directions(exp: ExperimentConfig, run: RunSpec) -> list[str]:
+    """The directions a bilingual run trains one model each for: its own, else the experiment's first."""
+    return list(run.directions) or exp.data.directions[:1]
+
+
+def run_config(exp: ExperimentConfig, index: int, seed: int, data: PreparedData, run_dir: Path,
+               direction: str | None = None) -> Config:
+    """The training config of run ``index`` with ``seed``: its file + overrides, then the experiment's settings.
+    ``direction``: a bilingual run's direction (default: the experiment's first)."""
+    run = exp.runs[index]
     config = load_run_config(exp, index)
     dc, tc = config.data, config.train
     dc.path, dc.train_split, dc.valid_split = str(data.dir), "train", "valid"
-    dc.src_lang, dc.tgt_lang = parse_direction(exp.data.directions[0], "data.directions")
-    if dc.multilingual is not None:  # every direction of the experiment, unless the run names its own
+    dc.src_lang, dc.tgt_lang = parse_direction(direction or exp.data.directions[0], "data.directions")
+    if dc.multilingual is not None and direction:  # a multilingual model type trained on one direction
+        dc.multilingual.pairs, dc.multilingual.zero_shot = [direction], []
+        dc.multilingual.langs = dc.multilingual.langs or list(dict.fromkeys(parse_direction(direction, "directions")))
+    elif dc.multilingual is not None:  # the run's directions (else the experiment's), unless its config names its own
         mc = dc.multilingual
-        mc.pairs = mc.pairs or list(exp.data.directions)
-        mc.zero_shot = mc.zero_shot or list(exp.data.zero_shot)
+        mc.pairs = mc.pairs or exp.run_directions(run)
+        mc.zero_shot = mc.zero_shot or list(run.zero_shot if run.directions else exp.data.zero_shot)
         mc.langs = mc.langs or list(exp.data.langs)
     b = exp.budget
     tc.save_dir, tc.seed, tc.device = str(run_dir), seed, exp.device
@@ -345,9 +366,9 @@ def _check_budget(run_dir: Path, budget: dict[str, Any]) -> None:
                           "delete that run's directory to train it again")
 
 
-def decode_items(exp: ExperimentConfig, data: PreparedData, multilingual: bool) -> list[dict[str, Any]]:
-    """What a run decodes: every test set × (the first direction | all directions and zero-shot ones)."""
-    directions = [*exp.data.directions, *exp.data.zero_shot] if multilingual else exp.data.directions[:1]
+def decode_items(exp: ExperimentConfig, data: PreparedData, directions: list[str]) -> list[dict[str, Any]]:
+    """What a run decodes: every test set × ``directions`` (a bilingual model's one, a multilingual model's trained
+    and zero-shot ones; copy directions A-A are left out)."""
     items = []
     for test_set in exp.test_sets:
         texts = data.texts.get(test_set, {})
@@ -382,15 +403,23 @@ def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
     """One job per (run, seed), in run order; fails early if a run directory holds another config's run."""
     jobs = []
     for index, run in enumerate(exp.runs):
-        for seed in exp.seeds:
-            run_dir = (out / "runs" / run.name / f"seed-{seed}").resolve()
-            config = run_config(exp, index, seed, data, run_dir)
+        multilingual = load_run_config(exp, index).data.multilingual is not None
+        # a bilingual run with its own directions (or a per_direction one): one model per direction, each in its
+        # own directory
+        per_direction = run.directions if run.directions and (run.per_direction or not multilingual) else [None]
+        for direction, seed in ((d, seed) for d in per_direction for seed in exp.seeds):
+            run_dir = (out / "runs" / run.name / (direction or "") / f"seed-{seed}").resolve()
+            config = run_config(exp, index, seed, data, run_dir, direction)
             config_dict = to_dict(config)
             fp = fingerprint(config_dict)
             _check_previous(run_dir, config_dict, fp)
             _check_budget(run_dir, to_dict(exp.budget))
-            multilingual = config.data.multilingual is not None
-            items = decode_items(exp, data, multilingual)
+            if multilingual:
+                mc = config.data.multilingual
+                decoded = [*mc.pairs, *mc.zero_shot]
+            else:
+                decoded = [direction or exp.data.directions[0]]
+            items = decode_items(exp, data, decoded)
             ev = {"checkpoint": exp.checkpoint, "average_last": exp.average_last,
                   "search": exp.decode.search_overrides(), "max_sentences": exp.decode.max_sentences, "items": items}
             if exp.bleu_tokenize != BLEU_TOKENIZER:  # in the key only where set: the others keep earlier keys
@@ -401,7 +430,8 @@ def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
             # the previous version's keys: the test sets' contents were not in them
             previous = {"fingerprint": fp, "eval_key": _eval_key(ev)}
             ev["test_data"] = {item["key"]: _test_digest(item) for item in items}  # an edited test set: decode again
-            jobs.append({"run": run.name, "seed": seed, "dir": str(run_dir), "config": str(run_dir / "run.yaml"),
+            jobs.append({"run": run.name, "direction": direction, "seed": seed, "dir": str(run_dir),
+                         "config": str(run_dir / "run.yaml"),
                          "config_source": str(resolve_config_path(run.config, exp.file)),
                          "fingerprint": fp, "budget": to_dict(exp.budget), "eval": ev, "eval_key": _eval_key(ev),
                          "legacy": legacy, "previous": previous, "multilingual": multilingual,
@@ -554,18 +584,27 @@ def decode_ensembles(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, 
         torch.set_num_threads(exp.threads)
     ensembles: dict[str, dict[str, Any]] = {}
     for run in exp.runs:
-        mine = [o for o in outcomes if o["run"] == run.name]
-        if len(mine) < 2 or any(o["status"] != "done" or not o["result"] for o in mine):
-            continue
-        ensemble_dir = out / "runs" / run.name / "ensemble"
-        log.info("%s: decoding the ensemble of seeds %s", run.name, ", ".join(str(o["seed"]) for o in mine))
-        try:
-            ensembles[run.name] = evaluate_ensemble(mine, ensemble_dir, exp.device)
-        except Exception as exc:  # one failed ensemble must not end the comparison
-            (ensemble_dir / "error.log").parent.mkdir(parents=True, exist_ok=True)
-            (ensemble_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
-            log.error("%s: the ensemble of its seeds failed: %s: %s", run.name, type(exc).__name__, exc)
-            ensembles[run.name] = {"error": f"{type(exc).__name__}: {exc}"}
+        for direction in dict.fromkeys(o.get("direction") for o in outcomes if o["run"] == run.name):
+            mine = [o for o in outcomes if o["run"] == run.name and o.get("direction") == direction]
+            if len(mine) < 2 or any(o["status"] != "done" or not o["result"] for o in mine):
+                continue
+            label = run.name + (f" {direction}" if direction else "")
+            ensemble_dir = out / "runs" / run.name / (direction or "") / "ensemble"
+            log.info("%s: decoding the ensemble of seeds %s", label, ", ".join(str(o["seed"]) for o in mine))
+            try:
+                result = evaluate_ensemble(mine, ensemble_dir, exp.device)
+            except Exception as exc:  # one failed ensemble must not end the comparison
+                (ensemble_dir / "error.log").parent.mkdir(parents=True, exist_ok=True)
+                (ensemble_dir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+                log.error("%s: the ensemble of its seeds failed: %s: %s", label, type(exc).__name__, exc)
+                result = {"error": f"{type(exc).__name__}: {exc}"}
+            if run.name not in ensembles:
+                ensembles[run.name] = result
+            else:  # a bilingual run's other direction: its scores join the run's
+                merged = ensembles[run.name]
+                merged.setdefault("scores", {}).update(result.get("scores", {}))
+                if "error" in result:
+                    merged["error"] = "; ".join(filter(None, [merged.get("error"), result["error"]]))
     return ensembles
 
 
@@ -575,16 +614,12 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
 
     ``only``: the names of the runs to train and report (default: all of the experiment's runs).
     """
-    from nmtflow.evaluate.compare_report import write_report
+    from nmtflow.evaluate.compare_report import direction_table, write_report
 
     overrides, plugins = list(overrides or []), list(plugins or [])
     exp = load_experiment(experiment, overrides)
     if only:
-        unknown = [n for n in only if n not in {r.name for r in exp.runs}]
-        if unknown:
-            raise ConfigError(f"{experiment}: --only: no run named {', '.join(map(repr, unknown))} "
-                              f"(runs: {', '.join(r.name for r in exp.runs)})")
-        exp.runs = [r for r in exp.runs if r.name in only]
+        exp.select(only)
     out = Path(out) if out else Path("runs") / f"compare-{exp.name}"
     command = shlex.join(["nmtflow", *[a for p in plugins for a in ("--plugin", p)], "compare", str(experiment),
                           "--out", str(out), *[a for o in overrides for a in ("--set", o)],
@@ -597,7 +632,8 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
     data = prepare_data(exp, out)
     check_data_identity(out, data)
     jobs = plan_jobs(exp, out, data, plugins)
-    log.info("comparing %d runs × %d seeds (%s) in %s", len(exp.runs), len(exp.seeds), exp.budget.describe(), out)
+    log.info("comparing %d runs × %d seeds (%d trainings; %s) in %s", len(exp.runs), len(exp.seeds), len(jobs),
+             exp.budget.describe(), out)
     interrupted = False
 
     def report(label: str, job: dict[str, Any], status: str, result: dict[str, Any] | None, error: str) -> None:
@@ -613,13 +649,18 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
     status_of: dict[str, tuple[str, dict[str, Any] | None, str]] = {}
     todo: list[tuple[str, dict[str, Any]]] = []
     for n, job in enumerate(jobs, 1):
-        label = f"[{n}/{len(jobs)}] {job['run']} (seed {job['seed']})"
+        label = f"[{n}/{len(jobs)}] {job['run']}" + (f" {job['direction']}" if job["direction"] else "") + \
+            f" (seed {job['seed']})"
         done = finished_result(job)
         if done is not None:
             log.info("%s: finished earlier, skipped (%s)", label, Path(job["dir"]) / FINISHED)
             status_of[job["dir"]] = ("done", done, "")
         else:
             todo.append((label, job))
+    # runs trained per direction: every run's first direction before any run's second, so that a comparison stopped
+    # part-way has the same directions of every run (the order within a position is the experiment's)
+    position = {job["dir"]: [o["run"] for o in jobs[:i]].count(job["run"]) for i, job in enumerate(jobs)}
+    todo.sort(key=lambda item: position[item[1]["dir"]])
     if exp.parallel > 1:
         log.info("training %d runs, %d at a time", len(todo), exp.parallel)
         status_of.update(execute_parallel(todo, exp.parallel, report))
@@ -640,8 +681,9 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
         outcomes.append({**job, "status": status, "result": result, "error": error})
     ensembles = decode_ensembles(exp, out, outcomes) if exp.ensemble and not interrupted else {}
     files, runs = write_report(exp, out, outcomes, command=command, ensembles=ensembles)
-    failed = [f"{o['run']} seed {o['seed']}" for o in outcomes if o["status"] == "failed"]
+    failed = [f"{o['run']}" + (f" {o['direction']}" if o["direction"] else "") + f" seed {o['seed']}"
+              for o in outcomes if o["status"] == "failed"]
     log.info("wrote %s", ", ".join(str(f) for f in files))
     if interrupted:
         raise KeyboardInterrupt
-    return ComparisonResult(out, files, runs, failed)
+    return ComparisonResult(out, files, runs, failed, direction_table(exp, runs))

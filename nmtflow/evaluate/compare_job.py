@@ -218,12 +218,15 @@ def decode_items(ev: dict[str, Any], translator_for: Callable[[str, str], Any], 
         seconds = time.perf_counter() - start
         hyp_file = out_dir / f"hyp.{item['test_set']}.{item['direction']}.txt"
         hyp_file.write_text("".join(h + "\n" for h in hyps), encoding="utf-8")
-        b, c = bleu(hyps, ref, tokenize=ev.get("bleu_tokenize", BLEU_TOKENIZER)), chrf(hyps, ref)
-        scores[item["key"]] = {"bleu": b.score, "chrf": c.score, "sentences": len(src), "decode_seconds": seconds,
-                               "bleu_signature": b.signature, "chrf_signature": c.signature,
+        tokenize = ev.get("bleu_tokenize", BLEU_TOKENIZER)
+        b, c = bleu(hyps, ref, tokenize=tokenize), chrf(hyps, ref)
+        b_lc = bleu(hyps, ref, tokenize=tokenize, lowercase=True)  # sacreBLEU case.lc, as many papers report
+        scores[item["key"]] = {"bleu": b.score, "bleu_lc": b_lc.score, "chrf": c.score, "sentences": len(src),
+                               "decode_seconds": seconds, "bleu_signature": b.signature,
+                               "bleu_lc_signature": b_lc.signature, "chrf_signature": c.signature,
                                "hypotheses": hyp_file.name}
-        log.info("%s %s: BLEU %.2f, chrF %.2f (%d sentences, %.1f sentences/s)", out_dir, item["key"], b.score,
-                 c.score, len(src), len(src) / max(seconds, 1e-9))
+        log.info("%s %s: BLEU %.2f (lowercased %.2f), chrF %.2f (%d sentences, %.1f sentences/s)", out_dir,
+                 item["key"], b.score, b_lc.score, c.score, len(src), len(src) / max(seconds, 1e-9))
     sentences = sum(s["sentences"] for s in scores.values())
     seconds = sum(s["decode_seconds"] for s in scores.values())
     return {"scores": scores, "decode_sentences_per_s": sentences / seconds if seconds > 0 else None}

@@ -58,8 +58,9 @@ def summarize(exp: ExperimentConfig, outcomes: list[dict[str, Any]]) -> list[dic
         mine = [o for o in outcomes if o["run"] == spec.name]
         done = [o["result"] for o in mine if o["status"] == "done" and o["result"]]
         keys = list(dict.fromkeys(k for r in done for k in r["scores"]))
-        scores = {k: {m: _stats([r["scores"][k][m] for r in done if k in r["scores"]]) for m in ("bleu", "chrf")}
-                  for k in keys}
+        # bleu_lc: results recorded before it was scored lack it
+        scores = {k: {m: _stats([r["scores"][k][m] for r in done if m in r["scores"].get(k, {})])
+                      for m in ("bleu", "bleu_lc", "chrf")} for k in keys}
         cuda = [r["cuda_peak_mb"] for r in done if r.get("cuda_peak_mb") is not None]
         runs.append({
             "name": spec.name, "config": spec.config, "overrides": spec.overrides,
@@ -72,10 +73,55 @@ def summarize(exp: ExperimentConfig, outcomes: list[dict[str, Any]]) -> list[dic
             "peak_memory_kind": "cuda" if cuda else "rss",
             "train_seconds": _mean([r.get("train_seconds") for r in done]),
             "updates": _mean([r.get("update") for r in done]),
-            "seeds": [{"seed": o["seed"], "status": o["status"], "dir": o["dir"], "error": o["error"],
-                       "result": o["result"]} for o in mine],
+            "seeds": [{"seed": o["seed"], "direction": o.get("direction"), "status": o["status"], "dir": o["dir"],
+                       "error": o["error"], "result": o["result"]} for o in mine],
         })
     return runs
+
+
+def direction_rows(exp: ExperimentConfig, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (run, test set, direction) scored: mean BLEU, lowercased BLEU and chrF over the seeds, with the
+    experiment's ``paper`` figure for the run and direction where it has one."""
+    rows = []
+    for r in runs:
+        for key, s in r["scores"].items():
+            test_set, _, direction = key.partition(" ")
+            mean = {m: (s.get(m) or {}).get("mean") for m in ("bleu", "bleu_lc", "chrf")}
+            rows.append({"run": r["name"], "test_set": test_set, "direction": direction, **mean,
+                         "seeds": max(((s.get(m) or {}).get("n", 0) for m in ("bleu", "chrf")), default=0),
+                         "paper": exp.paper.get(r["name"], {}).get(direction)})
+    return rows
+
+
+def direction_table(exp: ExperimentConfig, runs: list[dict[str, Any]]) -> str:
+    """Per run and direction: BLEU, BLEU lowercased, chrF (means over seeds) and the paper's figure beside them."""
+    rows = direction_rows(exp, runs)
+    with_paper = bool(exp.paper)
+    several = len({row["test_set"] for row in rows}) > 1
+    head = ["run", *(["test set"] if several else []), "direction", "BLEU", "BLEU (lc)", "chrF",
+            *([f"paper ({exp.paper_note})" if exp.paper_note else "paper"] if with_paper else [])]
+    lines = ["| " + " | ".join(head) + " |", "| --- |" + (" --- |" if several else "") + " --- |"
+             + " ---: |" * (len(head) - 2 - several)]
+    for row in rows:
+        cells = [row["run"], *([row["test_set"]] if several else []), row["direction"],
+                 _fmt(row["bleu"], ".2f"), _fmt(row["bleu_lc"], ".2f"), _fmt(row["chrf"], ".2f"),
+                 *([_fmt(row["paper"], ".2f")] if with_paper else [])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def runs_by_name(exp: ExperimentConfig, runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """results.json's ``runs``: by run name, its summary plus, for the first test set scored, one entry per direction
+    (``runs.NAME.DIRECTION`` = ``{"bleu", "bleu_lc", "chrf", "paper"}``, means over the seeds)."""
+    by_name = {}
+    for r in runs:
+        entry = dict(r)
+        first = next(iter(r["scores"]), "").partition(" ")[0]
+        for row in direction_rows(exp, [r]):
+            if row["test_set"] == first:
+                entry[row["direction"]] = {m: row[m] for m in ("bleu", "bleu_lc", "chrf", "paper", "seeds")}
+        by_name[r["name"]] = entry
+    return by_name
 
 
 def _fmt_score(s: dict[str, Any] | None, runs_seeds: int, with_std: bool = True) -> str:
@@ -218,12 +264,14 @@ def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]
                                                         else "")
         + (", " + ", ".join(f"{k} {v}" for k, v in search.items()) if search else ", each run's decode settings")
         + (f", first {exp.decode.max_sentences} sentences" if exp.decode.max_sentences else ""),
-        f"- scores: sacreBLEU BLEU (tokenizer {exp.bleu_tokenize}, cased) and chrF2; signatures in results.json",
+        f"- scores: sacreBLEU BLEU (tokenizer {exp.bleu_tokenize}, cased; and lowercased, case.lc, in the table per "
+        "direction) and chrF2; signatures in results.json",
         f"- {memory}; wall time: training loop (validation included)", "",
     ]
-    failures = [f"- {r['name']} seed {s['seed']}: {s['status']}: {s['error']}" for r in runs for s in r["seeds"]
-                if s["status"] != "done"]
-    body = [markdown_table(exp, runs), ""] + (["Not finished:", "", *failures, ""] if failures else [])
+    failures = [f"- {r['name']}" + (f" {s['direction']}" if s.get("direction") else "") + f" seed {s['seed']}: "
+                f"{s['status']}: {s['error']}" for r in runs for s in r["seeds"] if s["status"] != "done"]
+    body = [markdown_table(exp, runs), "", "Per direction" + (f" (paper: {exp.paper_note})" if exp.paper_note else "")
+            + ":", "", direction_table(exp, runs), ""] + (["Not finished:", "", *failures, ""] if failures else [])
     if any(r.get("significance") for r in runs):
         body += [f"Significance against {runs[0]['name']}: paired bootstrap resampling of the test sentences "
                  f"(sacreBLEU, {exp.bootstrap_samples} resamples), each seed against the same seed of "
@@ -235,18 +283,21 @@ def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]
     files = [out / "results.md", out / "results.json"]
     files[0].write_text("\n".join(header + body), encoding="utf-8")
     write_json(files[1], json_safe({"experiment": exp.name, "file": exp.file, "command": command, "date": date,
-                                  "machine": machine, "settings": to_dict(exp), "runs": runs}))
+                                  "machine": machine, "settings": to_dict(exp), "runs": runs_by_name(exp, runs)}))
     files += plot_comparison(out, runs)
     return files, runs
 
 
-def validation_curves(run: dict[str, Any], metric: str, kind: str = "valid") -> tuple[list[int], list[float]]:
+def validation_curves(run: dict[str, Any], metric: str, kind: str = "valid",
+                      direction: str | None = None) -> tuple[list[int], list[float]]:
     """``metric`` of the log entries of ``kind`` (valid: validation, train: training) per update, averaged over
-    the run's seeds."""
+    the run's seeds (of one ``direction`` of a bilingual run trained per direction)."""
     from nmtflow.train.trainer import read_log
 
     by_update: dict[int, list[float]] = {}
     for s in run["seeds"]:
+        if s.get("direction") != direction:
+            continue
         for e in read_log(s["dir"]):
             if e.get("kind") == kind and metric in e:
                 by_update.setdefault(e["update"], []).append(e[metric])
@@ -270,9 +321,11 @@ def plot_comparison(out: Path, runs: list[dict[str, Any]]) -> list[Path]:
         fig = Figure(figsize=(6.5, 4), layout="constrained")
         ax = fig.subplots()
         for r in runs:
-            xs, ys = validation_curves(r, metric, kind)
-            if xs:
-                ax.plot(xs, ys, marker="o" if kind == "valid" else None, markersize=3, label=r["name"])
+            for direction in dict.fromkeys(s.get("direction") for s in r["seeds"]):
+                xs, ys = validation_curves(r, metric, kind, direction)
+                if xs:
+                    ax.plot(xs, ys, marker="o" if kind == "valid" else None, markersize=3,
+                            label=r["name"] + (f" {direction}" if direction else ""))
         ax.set(xlabel="update", ylabel=ylabel, title=f"{ylabel} (mean over seeds)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:

@@ -98,6 +98,12 @@ class RunSpec:
     name: str = ""
     config: str = ""
     overrides: list[str] = field(default_factory=list)
+    group: str = ""  # runs of one group can be run and reported together: --only GROUP
+    # the run's own directions (default: the experiment's data.directions). A bilingual model is trained once per
+    # direction (OUT/runs/NAME/DIRECTION/seed-S); a multilingual one is trained on all of them at once
+    directions: list[str] = field(default_factory=list)
+    zero_shot: list[str] = field(default_factory=list)  # multilingual runs with their own directions: held out
+    per_direction: bool = False  # a multilingual model type trained once per direction (e.g. a bilingual bridge)
 
     def validate(self, where: str) -> None:
         if not self.name or any(c.isspace() or c in "/\\" for c in self.name) or self.name.startswith("."):
@@ -105,6 +111,24 @@ class RunSpec:
         if not self.config:
             raise ConfigError(f"{where}.config: missing (a config file or a preset name from configs/)")
         check_overrides(self.overrides, f"{where}.overrides")
+        if self.group and any(c.isspace() or c == "," for c in self.group):
+            raise ConfigError(f"{where}.group: {self.group!r} is not a usable group name (no spaces or commas)")
+        for key in ("directions", "zero_shot"):
+            values = getattr(self, key)
+            for text in values:
+                parse_direction(text, f"{where}.{key}")
+            dup = next((d for d in values if values.count(d) > 1), None)
+            if dup:
+                raise ConfigError(f"{where}.{key}: {dup!r} is listed twice")
+        if self.per_direction and (self.zero_shot or not self.directions):
+            raise ConfigError(f"{where}.per_direction: needs the run's own directions and no zero_shot (each model "
+                              "translates only the direction it is trained on)")
+        if self.zero_shot and not self.directions:
+            raise ConfigError(f"{where}.zero_shot: needs the run's own directions (zero-shot directions of the whole "
+                              "experiment are data.zero_shot)")
+        both = next((d for d in self.zero_shot if d in self.directions), None)
+        if both:
+            raise ConfigError(f"{where}: {both} is in both directions (trained) and zero_shot (held out)")
 
 
 @dataclass
@@ -180,6 +204,9 @@ class ExperimentConfig:
     isolate: bool = True  # train and decode each run in its own process
     parallel: int = 1  # runs trained at once, each in its own process (e.g. several small models on one GPU)
     devices: list[str] = field(default_factory=list)  # parallel runs take these in turn (e.g. [cuda:0, cuda:1])
+    # published figures shown beside ours: {run name: {direction: score}}, and what they are (metric, test set)
+    paper: dict[str, dict[str, float]] = field(default_factory=dict)
+    paper_note: str = ""
     file: str = field(default="", init=False)  # where it was read from (set by load_experiment)
 
     def validate(self, where: str) -> None:
@@ -224,6 +251,33 @@ class ExperimentConfig:
             if name not in self.data.splits:
                 raise ConfigError(f"{where}: test_sets: {name!r} is not a split of data.splits "
                                   f"({', '.join(self.data.splits)})")
+        for i, run in enumerate(self.runs):
+            for text in [*run.directions, *run.zero_shot]:
+                missing = [lang for lang in parse_direction(text, where) if lang not in self.data.langs]
+                if missing:
+                    raise ConfigError(f"{where}: runs[{i}] ({run.name}): direction {text}: language {missing[0]!r} is "
+                                      f"not in data.langs ({', '.join(self.data.langs)}), so it is not prepared")
+        groups = {r.group for r in self.runs if r.group}
+        clash = next((g for g in groups if g in names), None)
+        if clash:
+            raise ConfigError(f"{where}: {clash!r} names both a run and a group (--only could not tell them apart)")
+        unknown = next((n for n in self.paper if n not in names), None)
+        if unknown:
+            raise ConfigError(f"{where}: paper: {unknown!r} is not a run of the experiment")
+
+    def run_directions(self, run: RunSpec) -> list[str]:
+        """The directions ``run`` trains on (its own, else the experiment's)."""
+        return list(run.directions) or list(self.data.directions)
+
+    def select(self, only: list[str]) -> None:
+        """Keep only the runs named in ``only`` or belonging to a group named there (``--only``)."""
+        groups = {r.group for r in self.runs if r.group}
+        unknown = [n for n in only if n not in {r.name for r in self.runs} and n not in groups]
+        if unknown:
+            raise ConfigError(f"{self.file}: --only: no run or group named {', '.join(map(repr, unknown))} "
+                              f"(runs: {', '.join(r.name for r in self.runs)}"
+                              + (f"; groups: {', '.join(sorted(groups))}" if groups else "") + ")")
+        self.runs = [r for r in self.runs if r.name in only or (r.group and r.group in only)]
 
     @property
     def checkpoint(self) -> str:

@@ -42,19 +42,19 @@ def compare_to_baseline(outcomes: list[dict[str, Any]], run_names: list[str], sa
     """{run: {test item: {seed: result}}}: :func:`paired_bootstrap` of every run after the first in
     ``run_names`` against the first, per test item and per seed that both finished. ``outcomes`` are the
     comparison's jobs with their ``result``; ``references(item)`` gives a test item's reference sentences."""
-    done = {(o["run"], o["seed"]): o for o in outcomes if o["status"] == "done" and o["result"]}
+    # (run, seed, test item) → the finished job that decoded it (a bilingual run trains one job per direction)
+    done = {(o["run"], o["seed"], key): o for o in outcomes if o["status"] == "done" and o["result"]
+            for key in o["result"]["scores"]}
     if len(run_names) < 2 or samples < 1:
         return {}
     out: dict[str, dict[str, dict[int, dict[str, float]]]] = {}
-    for (name, seed), base in done.items():
+    for (name, seed, key), base in done.items():
         if name != run_names[0]:
             continue
-        for item in base["eval"]["items"]:
-            key = item["key"]
-            systems = {other: _hypotheses(done[other, seed], key) for other in run_names[1:]
-                       if (other, seed) in done and key in done[other, seed]["result"]["scores"]}
-            if key not in base["result"]["scores"] or not systems:
-                continue
+        item = next((i for i in base["eval"]["items"] if i["key"] == key), None)
+        systems = {other: _hypotheses(done[other, seed, key], key) for other in run_names[1:]
+                   if (other, seed, key) in done}
+        if item is not None and systems:
             tested = paired_bootstrap(_hypotheses(base, key), systems, references(item), samples,
                                       base["eval"].get("bleu_tokenize", BLEU_TOKENIZER))
             for other, result in tested.items():

@@ -86,8 +86,12 @@ class EncoderDecoder(nn.Module):
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         return self.decode(tgt_in, self.encode(src))
 
-    def auxiliary_loss(self, enc: EncoderOut) -> Tensor | None:
-        """An extra training loss term computed from the encoder output (e.g. a penalty); None if none."""
+    def auxiliary_loss(self, enc: EncoderOut, num_tgt_tokens: int) -> Tensor | None:
+        """An extra training loss term from the encoder output (e.g. a penalty), on the scale of the batch's summed
+        token cross-entropy: the trainer adds the two and divides them by the update's target tokens together, so a
+        sentence's term keeps its weight against its own token losses whatever else the update holds.
+        ``num_tgt_tokens`` (this batch's target tokens) lets a term meant per target token be scaled up to a sum.
+        None if the model has none."""
         return None
 
 

@@ -89,8 +89,8 @@ class LanguagePair(EncoderDecoder):
     def decode(self, tgt_in: Tensor, enc: EncoderOut, state: State | None = None) -> Tensor:
         return self.model.decode(tgt_in, enc, state, lang=self.tgt_lang)
 
-    def auxiliary_loss(self, enc: EncoderOut) -> Tensor | None:
-        return self.model.auxiliary_loss(enc)
+    def auxiliary_loss(self, enc: EncoderOut, num_tgt_tokens: int) -> Tensor | None:
+        return self.model.auxiliary_loss(enc, num_tgt_tokens)
 
     def extra_repr(self) -> str:
         return f"{self.src_lang} → {self.tgt_lang}"
@@ -98,6 +98,25 @@ class LanguagePair(EncoderDecoder):
 
 # ---------------------------------------------------------------------------------------------------
 # the attention bridge (Vázquez et al. 2020)
+
+
+# How the penalty of Eq. 10 enters the loss. Every scale but the legacy ones adds a sum over the batch's sentences to
+# the summed token cross-entropy and divides both by the update's target tokens (SPEC §5), so the ratio between a
+# sentence's penalty and its cross-entropy does not depend on the rest of the batch, update_freq or DDP:
+PENALTY_SCALES = {
+    # the paper's code (Helsinki-NLP's OpenNMT-py fork, att-brg: utils/loss.py): the batch mean of the unsquared
+    # norm ‖AAᵀ − I‖_F, added once per batch of 64 sentences to the summed cross-entropy: per sentence
+    # λ‖AAᵀ − I‖_F / penalty_batch
+    "paper": "λ·‖AAᵀ − I‖_F / penalty_batch per sentence, against its summed token cross-entropy",
+    # SPEC §5 as written: each sentence's squared norm once against its summed token cross-entropy
+    "squared_sum": "λ·‖AAᵀ − I‖²_F per sentence, against its summed token cross-entropy",
+    # the earlier SPEC §5: the batch mean squared norm added to the per-token mean cross-entropy (about one sentence
+    # length stronger than squared_sum; on Multi30k it collapses every head onto one token)
+    "legacy_mean": "λ·mean over sentences of ‖AAᵀ − I‖²_F, against the per-token mean cross-entropy",
+    # the squared norms summed over the batch and divided by its source tokens, against the per-token mean
+    "legacy_per_source_token": "λ·Σ ‖AAᵀ − I‖²_F / source tokens, against the per-token mean cross-entropy",
+}
+LEGACY_PENALTY_NAMES = {"sentence": "legacy_mean", "token": "legacy_per_source_token"}  # names of earlier versions
 
 
 @dataclass
@@ -124,10 +143,11 @@ class BridgeConfig(ModelConfig):
     max_positions: int = 1024
     bridge_heads: int = 10  # k: rows of M
     bridge_dim: int = 1024  # d_w
+    bridge_bias: bool = False  # W_1 and W_2 with biases, as in the paper's code (the presets set it)
     penalty: float = 1.0  # λ of Eq. 10; 0 switches the penalty off
-    # sentence (SPEC §5): λ · mean over sentences, against the per-token mean cross-entropy; token: λ · sum over
-    # sentences / source tokens, i.e. about one sentence length weaker, as against a per-sentence summed loss
-    penalty_scale: str = "sentence"
+    # how λ·penalty is weighed against the cross-entropy (see PENALTY_SCALES); the default is the paper's code's
+    penalty_scale: str = "paper"
+    penalty_batch: int = 64  # paper: the sentences over which the paper's code averages the penalty (its batch)
     # the self-attention of Transformer stacks, e.g. lexical shortcuts or phrasal attention under the bridge
     # (SPEC §6); a Transformer decoder's cross-attention reads the k rows of M, so it stays standard
     encoder_self_attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -161,8 +181,12 @@ class BridgeConfig(ModelConfig):
             raise ConfigError(f"{where}: bridge_heads and bridge_dim must be >= 1")
         if not 0 <= self.penalty < float("inf"):  # NaN fails too
             raise ConfigError(f"{where}.penalty: must be a finite number >= 0, got {self.penalty}")
-        if self.penalty_scale not in ("sentence", "token"):
-            raise ConfigError(f"{where}.penalty_scale: expected sentence or token, got {self.penalty_scale!r}")
+        self.penalty_scale = LEGACY_PENALTY_NAMES.get(self.penalty_scale, self.penalty_scale)
+        if self.penalty_scale not in PENALTY_SCALES:
+            raise ConfigError(f"{where}.penalty_scale: expected one of {', '.join(PENALTY_SCALES)}, "
+                              f"got {self.penalty_scale!r}")
+        if self.penalty_batch < 1:
+            raise ConfigError(f"{where}.penalty_batch: must be >= 1, got {self.penalty_batch}")
 
     def transformer_config(self) -> TransformerConfig:
         """The Transformer sizes (and self-attention variants) used by transformer encoders/decoders."""
@@ -179,8 +203,8 @@ class AttentionBridgeModel(MultilingualModel):
 
     ``encode`` returns ``out`` = H (B,S,d_h), ``padding_mask`` (B,S), ``bridge`` = M (B,k,d_h) and
     ``bridge_attention`` = A (B,k,S). Decoders attend over all k rows of M (no mask); an RNN decoder starts
-    from the mean of M. ``auxiliary_loss`` = λ·mean_b ‖A Aᵀ − I‖²_F, added by the trainer to the per-token
-    mean cross-entropy.
+    from the mean of M. ``auxiliary_loss`` = the penalty of Eq. 10 weighed as ``penalty_scale`` says, which the trainer
+    adds to the summed token cross-entropy before dividing by the update's target tokens.
     """
 
     def __init__(self, cfg: BridgeConfig, vocabs: Vocabularies) -> None:
@@ -202,7 +226,7 @@ class AttentionBridgeModel(MultilingualModel):
 
         self.encoders = nn.ModuleDict({lang: self._encoder(embedding(lang, enc_sizes[lang]))
                                        for lang in sorted(enc_sizes)})
-        self.bridge = AttentionBridge(cfg.hidden_dim, cfg.bridge_heads, cfg.bridge_dim)
+        self.bridge = AttentionBridge(cfg.hidden_dim, cfg.bridge_heads, cfg.bridge_dim, bias=cfg.bridge_bias)
         self.decoders = nn.ModuleDict({lang: self._decoder(embedding(lang, dec_sizes[lang]))
                                        for lang in sorted(dec_sizes)})
 
@@ -257,16 +281,23 @@ class AttentionBridgeModel(MultilingualModel):
         no_padding = torch.zeros(memory.shape[:2], dtype=torch.bool, device=memory.device)  # (B,k)
         return decoder(tgt_in, {"out": memory, "padding_mask": no_padding}, state)
 
-    def auxiliary_loss(self, enc: EncoderOut) -> Tensor | None:
-        """λ‖AAᵀ − I‖²_F (Eq. 10): averaged over the sentences (``penalty_scale: sentence``, SPEC §5) or summed
-        over them and divided by the batch's source tokens (``token``)."""
-        if self.config.penalty == 0:
+    def auxiliary_loss(self, enc: EncoderOut, num_tgt_tokens: int) -> Tensor | None:
+        """λ·(penalty of Eq. 10) on the scale of the summed token cross-entropy (``penalty_scale``, PENALTY_SCALES):
+        ``paper`` Σ_b ‖A_bA_bᵀ − I‖_F / penalty_batch; ``squared_sum`` Σ_b ‖A_bA_bᵀ − I‖²_F; the legacy scales
+        their per-token value times ``num_tgt_tokens``."""
+        cfg = self.config
+        if cfg.penalty == 0:
             return None
-        penalty = bridge_penalty(enc["bridge_attention"])  # mean over the sentences
-        if self.config.penalty_scale == "token":
-            mask = enc["padding_mask"]
-            penalty = penalty * mask.size(0) / (~mask).sum().clamp(min=1)
-        return self.config.penalty * penalty
+        attention = enc["bridge_attention"]
+        if cfg.penalty_scale == "paper":
+            return cfg.penalty * bridge_penalty(attention, squared=False).sum() / cfg.penalty_batch
+        penalties = bridge_penalty(attention)  # (B,) squared norms
+        if cfg.penalty_scale == "squared_sum":
+            return cfg.penalty * penalties.sum()
+        if cfg.penalty_scale == "legacy_mean":
+            return cfg.penalty * penalties.mean() * num_tgt_tokens
+        source_tokens = (~enc["padding_mask"]).sum().clamp(min=1)  # legacy_per_source_token
+        return cfg.penalty * penalties.sum() / source_tokens * num_tgt_tokens
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -312,5 +343,5 @@ class LanguageLabelModel(MultilingualModel):
                lang: str | None = None) -> Tensor:
         return self.model.decode(tgt_in, enc, state)
 
-    def auxiliary_loss(self, enc: EncoderOut) -> Tensor | None:
-        return self.model.auxiliary_loss(enc)
+    def auxiliary_loss(self, enc: EncoderOut, num_tgt_tokens: int) -> Tensor | None:
+        return self.model.auxiliary_loss(enc, num_tgt_tokens)

@@ -5,9 +5,11 @@ Language-specific encoders produce ``H`` (n × d_h); the bridge turns it into a 
     A = softmax_over_positions(W_2 ReLU(W_1 Hᵀ))    (k × n)    Eq. 8, padding positions get weight 0
     M = A H                                          (k × d_h)  Eq. 9
 
-with ``W_1`` d_w × d_h and ``W_2`` k × d_w, both without bias. Each row of ``A`` is a distribution over the
-source positions. The redundancy penalty of Eq. 10 is ``‖A Aᵀ − I‖²_F``, averaged over the sentences of a
-batch (SPEC §5: it is added, times λ, to the per-token mean cross-entropy).
+with ``W_1`` d_w × d_h and ``W_2`` k × d_w (with biases as in the paper's code, ``bias=True``; without by default,
+as checkpoints from before that option were built). Each row of ``A`` is a distribution over the source positions.
+The redundancy penalty of Eq. 10 is ``‖A Aᵀ − I‖²_F`` per sentence; the paper's code adds the unsquared norm
+``‖A Aᵀ − I‖_F`` (:func:`bridge_penalty`, ``squared=False``). How it is weighed against the cross-entropy is the
+model's choice (``BridgeConfig.penalty_scale``).
 
 The bridge is not an :class:`~nmtflow.nn.attention.MultiHeadAttention` variant: it has no query (its k
 "queries" are the rows of ``W_2``) and its output has k rows whatever the source length.
@@ -24,13 +26,14 @@ from nmtflow.nn.layers import masked_softmax
 class AttentionBridge(nn.Module):
     """Inner attention H (B,S,d_h) → M (B,k,d_h), A (B,k,S) (Eq. 8–9)."""
 
-    def __init__(self, hidden_dim: int, heads: int = 10, attention_dim: int = 1024) -> None:
+    def __init__(self, hidden_dim: int, heads: int = 10, attention_dim: int = 1024, bias: bool = False) -> None:
         super().__init__()
         if heads < 1 or attention_dim < 1:
             raise ValueError(f"the bridge needs heads >= 1 and attention_dim >= 1, got {heads}, {attention_dim}")
         self.heads = heads
-        self.w1 = nn.Linear(hidden_dim, attention_dim, bias=False)  # W_1: d_w × d_h
-        self.w2 = nn.Linear(attention_dim, heads, bias=False)  # W_2: k × d_w
+        self.w1 = nn.Linear(hidden_dim, attention_dim, bias=bias)  # W_1: d_w × d_h
+        self.w2 = nn.Linear(attention_dim, heads, bias=bias)  # W_2: k × d_w (its bias cannot change A: a constant
+        # per head over the positions; kept so that checkpoints hold the paper's code's parameters)
         nn.init.xavier_uniform_(self.w1.weight)
         nn.init.xavier_uniform_(self.w2.weight)
 
@@ -44,15 +47,17 @@ class AttentionBridge(nn.Module):
         return attention @ h, attention  # M = A H: (B,k,d_h)
 
 
-def bridge_penalty(attention: Tensor) -> Tensor:
-    """‖A Aᵀ − I‖²_F (Eq. 10) per sentence of A (B,k,S), averaged over the batch → a scalar.
+def bridge_penalty(attention: Tensor, squared: bool = True) -> Tensor:
+    """‖A Aᵀ − I‖²_F (Eq. 10), or ``‖A Aᵀ − I‖_F`` with ``squared=False``, per sentence of A (B,k,S) → (B,).
 
-    Padding positions hold zero weight, so they do not contribute to ``A Aᵀ``.
+    Padding positions hold zero weight, so they do not contribute to ``A Aᵀ``. The unsquared norm is taken as
+    ``sqrt(‖·‖²_F + 1e-10)`` as in the paper's code, which keeps its gradient finite at ``A Aᵀ = I``.
     """
     k = attention.size(1)
     gram = attention @ attention.transpose(1, 2)  # (B,k,k)
     eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    return (gram - eye).pow(2).sum(dim=(1, 2)).mean()
+    squares = (gram - eye).pow(2).sum(dim=(1, 2))
+    return squares if squared else (squares + 1e-10).sqrt()
 
 
 def pool_bridge(memory: Tensor, pooling: str = "mean") -> Tensor:

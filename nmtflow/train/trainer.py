@@ -387,9 +387,9 @@ class Trainer:
                         loss, nll, aux = self.ddp(model, b, tc.label_smoothing)
                     else:
                         loss, nll, aux = _batch_loss(model, b, tc.label_smoothing)
-                total = loss * world / tokens if world > 1 else loss / tokens  # DDP averages over ranks
-                if aux is not None:
-                    total = total + aux / len(batches)
+                # an auxiliary term is on the scale of the summed cross-entropy and normalised with it (SPEC §5)
+                objective = loss if aux is None else loss + aux
+                total = objective * world / tokens if world > 1 else objective / tokens  # DDP averages over ranks
                 (self.scaler.scale(total) if self.scaler is not None else total).backward()
             loss_sum += float(loss.detach())
             nll_sum += float(nll)
@@ -611,7 +611,7 @@ def _batch_loss(model: EncoderDecoder, b: Batch, epsilon: float) -> tuple[torch.
     enc = model.encode(b.src)
     logits = model.decode(b.tgt_in, enc)
     loss, nll = label_smoothed_nll(logits, b.tgt_out, epsilon)
-    return loss, nll, model.auxiliary_loss(enc)
+    return loss, nll, model.auxiliary_loss(enc, b.num_tgt_tokens)
 
 
 def _log_entries(path: Path) -> list[tuple[str, dict[str, Any]]]:

@@ -75,7 +75,7 @@ def test_two_config_comparison_writes_table_json_and_plots(compared) -> None:
     assert all(len(r) == len(head) and "–" not in r for r in body)
 
     data = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    runs = {r["name"]: r for r in data["runs"]}
+    runs = data["runs"]
     assert set(runs) == {"baseline", "shortcuts"}
     for r in runs.values():
         assert r["status"] == "done" and r["updates"] == 10
@@ -185,7 +185,7 @@ def test_only_reports_the_named_runs_and_rejects_unknown_names(compared) -> None
     before = ckpt.stat().st_mtime_ns
     result = run_comparison(experiment, out=out, only=["shortcuts"])
     assert [r["name"] for r in result.runs] == ["shortcuts"] and ckpt.stat().st_mtime_ns == before
-    with pytest.raises(ConfigError, match=r"--only: no run named 'nope' \(runs: baseline, shortcuts\)"):
+    with pytest.raises(ConfigError, match=r"--only: no run or group named 'nope' \(runs: baseline, shortcuts\)"):
         run_comparison(experiment, out=out, only=["nope"])
 
 
@@ -418,7 +418,7 @@ def test_ensemble_decodes_each_runs_seeds_as_one_model(tmp_path: Path, caplog) -
     assert len(rows) == 1 and rows[0][2] == f"{ens['scores']['test en-de']['bleu']:.2f}"
     assert rows[0][3] == f"{run['scores']['test en-de']['bleu']['mean']:.2f}"
     saved = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    assert saved["runs"][0]["ensemble"]["scores"] == ens["scores"]
+    assert saved["runs"]["baseline"]["ensemble"]["scores"] == ens["scores"]
     with caplog.at_level(logging.INFO, logger="nmtflow.compare"):
         again = run_comparison(tmp_path / "ens.yaml", out=out, overrides=["isolate=false"])
     assert "was decoded earlier, skipped" in caplog.text and again.runs[0]["ensemble"] == ens

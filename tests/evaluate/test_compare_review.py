@@ -52,8 +52,8 @@ def test_a_bad_value_set_by_the_file_names_the_file(experiment: Path) -> None:
 @pytest.mark.parametrize("override, message", [
     ("runs=[{name: a, config: no-such-config}]", r"tiny\.yaml: config 'no-such-config' not found"),
     ("overrides=[model.no_such_key=3]", r"tiny\.yaml: runs\[0\] \(baseline\): .*unknown key 'no_such_key'"),
-    ("data.directions=[en-en]", r"tiny\.yaml: data\.directions: the bilingual run 'baseline' takes the first "
-                                r"direction, en-en: source and target are the same language"),
+    ("data.directions=[en-en]", r"tiny\.yaml: data\.directions: the bilingual run 'baseline' trains en-en: "
+                                r"source and target are the same language"),
 ])
 def test_run_errors_come_before_the_data_is_prepared(experiment: Path, tmp_path: Path, override: str,
                                                      message: str) -> None:

@@ -64,7 +64,7 @@ def test_the_comparison_reports_each_run_against_the_first(tmp_path) -> None:
     row = next(line for line in md.splitlines() if line.startswith("| shortcuts | test en-de | 1 |"))
     assert f"| {tested['delta']:+.2f} |" in row
     saved = json.loads((out / "results.json").read_text(encoding="utf-8"))
-    assert saved["runs"][1]["significance"]["test en-de"]["1"] == tested
+    assert saved["runs"]["shortcuts"]["significance"]["test en-de"]["1"] == tested
     again = run_comparison(tmp_path / "tiny.yaml", out=out, overrides=["isolate=false", "bootstrap_samples=0"])
     assert "significance" not in again.runs[1]
     assert "Significance against" not in (out / "results.md").read_text(encoding="utf-8")

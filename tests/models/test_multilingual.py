@@ -92,11 +92,20 @@ def test_bridge_output_penalty_and_direction_checks() -> None:
     assert enc["bridge"].shape == (3, 3, 32) and enc["bridge_attention"].shape == (3, 3, 9)
     assert enc["bridge_attention"][2, :, 4:].abs().max() == 0  # padding gets no weight
     assert model.decode(tgt, enc, lang="en").shape == (3, 7, V)  # any decoder reads any encoder's M
-    assert model.auxiliary_loss(enc).item() > 0
-    assert make({**TINY_BRIDGE, "penalty": 0.0}).auxiliary_loss(enc) is None
-    # penalty_scale: token = the sentences' sum over the batch's source tokens (3 sentences, 9 + 6 + 4 tokens)
-    per_token = make({**TINY_BRIDGE, "penalty_scale": "token"}).auxiliary_loss(enc)
-    torch.testing.assert_close(per_token, model.auxiliary_loss(enc) * 3 / 19)
+    assert make({**TINY_BRIDGE, "penalty": 0.0}).auxiliary_loss(enc, 12) is None
+    # each scale on the scale of the summed token cross-entropy (12 target tokens; 3 sentences of 9 + 6 + 4 tokens)
+    a = enc["bridge_attention"]
+    gram_off = a @ a.transpose(1, 2) - torch.eye(a.size(1))
+    squares = gram_off.pow(2).sum(dim=(1, 2))  # ‖A Aᵀ − I‖²_F per sentence
+    expected = {"paper": (squares + 1e-10).sqrt().sum() / 64, "squared_sum": squares.sum(),
+                "legacy_mean": squares.mean() * 12, "legacy_per_source_token": squares.sum() / 19 * 12}
+    for scale, value in expected.items():
+        aux = make({**TINY_BRIDGE, "penalty_scale": scale, "penalty": 0.5}).auxiliary_loss(enc, 12)
+        torch.testing.assert_close(aux, 0.5 * value, msg=scale)
+    paper_32 = make({**TINY_BRIDGE, "penalty_batch": 32}).auxiliary_loss(enc, 12)
+    torch.testing.assert_close(paper_32, expected["paper"] * 2)
+    assert model.auxiliary_loss(enc, 12).item() > 0  # the default: the paper's code's weighting
+    assert model.config.penalty_scale == "paper"
     with pytest.raises(ValueError, match="no encoder for language 'fr'"):
         model.pair("fr", "en")
     with pytest.raises(ValueError, match="name the language"):

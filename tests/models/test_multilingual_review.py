@@ -30,12 +30,13 @@ def test_an_all_padding_row_gets_zero_attention_not_nan() -> None:
     assert attention[0, :, 3:].abs().max() == 0
     alone, _ = bridge(h[:1, :3])
     torch.testing.assert_close(memory[0], alone[0])
-    (memory.sum() + bridge_penalty(attention)).backward()
+    (memory.sum() + bridge_penalty(attention).sum() + bridge_penalty(attention, squared=False).sum()).backward()
     assert torch.isfinite(h.grad).all() and torch.isfinite(bridge.w1.weight.grad).all()
 
 
 @pytest.mark.parametrize("stacks", [{}, {"encoder": "transformer", "decoder": "transformer", "heads": 2, "ffn_dim": 32},
-                                    {"penalty_scale": "token"}], ids=["rnn", "transformer", "token-penalty"])
+                                    {"penalty_scale": "squared_sum"}, {"penalty_scale": "legacy_per_source_token"}],
+                         ids=["rnn", "transformer", "squared-penalty", "legacy-source-token-penalty"])
 def test_a_bridge_model_with_an_all_padding_source_row_stays_finite(stacks: dict[str, Any]) -> None:
     from nmtflow.models.base import build_model
     from nmtflow.models.multilingual import LanguageVocabularies
@@ -50,7 +51,7 @@ def test_a_bridge_model_with_an_all_padding_source_row_stays_finite(stacks: dict
     tgt = torch.randint(4, 30, (2, 4))
     tgt[:, 0] = BOS
     enc = model.encode(src)
-    logits, aux = model.decode(tgt, enc), model.auxiliary_loss(enc)
+    logits, aux = model.decode(tgt, enc), model.auxiliary_loss(enc, 8)
     assert torch.isfinite(logits).all() and aux is not None and torch.isfinite(aux)
     (logits.sum() + aux).backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

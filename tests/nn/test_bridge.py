@@ -41,27 +41,41 @@ def test_penalty_is_zero_for_orthogonal_one_hot_rows_and_positive_otherwise() ->
     a = torch.zeros(2, 3, 5)
     a[0, 0, 1] = a[0, 1, 3] = a[0, 2, 0] = 1.0  # one-hot rows on distinct positions: A Aᵀ = I
     a[1, 0, 4] = a[1, 1, 2] = a[1, 2, 3] = 1.0
-    assert bridge_penalty(a).item() == 0.0
+    assert bridge_penalty(a).tolist() == [0.0, 0.0]
     same = a.clone()
     same[1] = 0
     same[1, :, 2] = 1.0  # all heads on the same position: A Aᵀ = all ones, ‖·−I‖² = 6 off-diagonal ones
-    assert torch.isclose(bridge_penalty(same), torch.tensor(6.0 / 2))  # averaged over the 2 sentences
+    torch.testing.assert_close(bridge_penalty(same), torch.tensor([0.0, 6.0]))  # one value per sentence
+    # the paper's code's unsquared norm: sqrt(‖·‖² + 1e-10)
+    torch.testing.assert_close(bridge_penalty(same, squared=False), torch.tensor([1e-5, 6.0 ** 0.5]))
     uniform = torch.full((1, 3, 5), 1 / 5)
     assert bridge_penalty(uniform).item() > 0
     _, attention = make()(torch.randn(2, 6, 16))
-    assert bridge_penalty(attention).item() > 0
+    assert (bridge_penalty(attention) > 0).all()
+
+
+def test_the_bias_option_adds_the_paper_codes_biases_and_the_w2_bias_cannot_change_a() -> None:
+    torch.manual_seed(0)
+    bridge = AttentionBridge(16, heads=4, attention_dim=8, bias=True)
+    assert bridge.w1.bias.shape == (8,) and bridge.w2.bias.shape == (4,)
+    assert make().w1.bias is None and make().w2.bias is None
+    h = torch.randn(2, 5, 16)
+    _, attention = bridge(h)
+    with torch.no_grad():
+        bridge.w2.bias.add_(torch.randn(4))  # a constant per head over the positions
+    torch.testing.assert_close(bridge(h)[1], attention)
 
 
 def test_penalty_gradient_spreads_the_heads() -> None:
     bridge = make()
     h = torch.randn(4, 8, 16)
-    before = bridge_penalty(bridge(h)[1]).item()
+    before = bridge_penalty(bridge(h)[1]).mean().item()
     opt = torch.optim.SGD(bridge.parameters(), lr=0.5)
     for _ in range(20):
         opt.zero_grad()
-        bridge_penalty(bridge(h)[1]).backward()
+        bridge_penalty(bridge(h)[1]).mean().backward()
         opt.step()
-    assert bridge_penalty(bridge(h)[1]).item() < before
+    assert bridge_penalty(bridge(h)[1]).mean().item() < before
 
 
 def test_pooling_shapes() -> None:
