@@ -51,7 +51,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from nmtflow.data.prepare import add_splits, prepare
 
     if args.add:
-        given = [f"--{o.replace('_', '-')}" for o in ("train", "valid", "test", "split", "langs") if getattr(args, o)]
+        given = [f"--{o.replace('_', '-')}" for o in ("train", "valid", "test", "split", "langs", "force")
+                 if getattr(args, o)]
         if given:
             raise ValueError(f"--add binarizes further splits with the tokenizers of --out; {', '.join(given)} "
                              "belong to a new preparation (leave them out)")
@@ -70,7 +71,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     splits.update(_named_prefixes(args.split or [], "--split", {name: f"--{name}" for name in splits}))
     meta = prepare(splits, args.langs, Path(args.out), vocab_size=args.vocab_size, joint=not args.separate_vocab,
                    clean=CleanConfig(max_len=args.max_len, max_ratio=args.max_ratio), lang_tags=args.lang_tags,
-                   workers=args.workers)
+                   workers=args.workers, replace_other=args.force)
     for split, info in meta["splits"].items():
         print(f"{split}: {info['rows']} rows" + (f" ({info['dropped']} dropped by cleaning)" if info.get("dropped") else ""))
     for name, size in {meta["tokenizers"][lang]: meta["vocab_size"][lang] for lang in meta["langs"]}.items():
@@ -117,8 +118,8 @@ def cmd_average(args: argparse.Namespace) -> None:
     elif args.last is not None:
         raise ValueError(f"--last {args.last} picks from a save dir's periodic checkpoints; with checkpoint files "
                          "given, every one is averaged (leave out --last, or give the save dir)")
-    save_atomic(average_checkpoints(paths), args.output)
-    print(f"averaged {len(paths)} checkpoints ({', '.join(p.name for p in paths)}) into {args.output}")
+    save_atomic(average_checkpoints(paths, allow_different_runs=args.allow_different_runs), args.output)
+    print(f"averaged {len(paths)} checkpoints ({', '.join(str(p) for p in paths)}) into {args.output}")
 
 
 def _translator(args: argparse.Namespace):
@@ -313,9 +314,10 @@ def cmd_score(args: argparse.Namespace) -> None:
         raise ValueError("--candidates scores its own sources and translations; leave out --src and --tgt "
                          "(or --candidates)")
     if args.candidates:
-        from nmtflow.decode.contrastive import contrastive_accuracy
+        from nmtflow.decode.contrastive import contrastive_accuracy, read_candidates
 
-        result = contrastive_accuracy(_translator(args), args.candidates)
+        rows = read_candidates(args.candidates)  # checked before the model is loaded
+        result = contrastive_accuracy(_translator(args), args.candidates, rows)
         print(json.dumps(result) if args.json else
               f"contrastive accuracy {result['accuracy']:.4f} ({result['correct']}/{result['total']})")
         return
@@ -549,7 +551,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="binarize further splits (a new test set) into an existing --out with its tokenizers; "
                         "nothing else changes, so models trained on it can use the new split")
     p.add_argument("--langs", nargs="+", help="languages (required unless --add)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True,
+                   help="the prepared directory: built beside it (.NAME.new-PID) and swapped in when complete, so a "
+                        "failed or killed run leaves it as it was; one prepare at a time (.NAME.lock beside it); files "
+                        "in it that prepare did not write are kept")
+    p.add_argument("--force", action="store_true",
+                   help="replace an --out prepared from other training files (without it, an error; one prepared from "
+                        "the same files is replaced, with a note of what it held)")
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--separate-vocab", action="store_true", help="one SentencePiece model per language")
     p.add_argument("--lang-tags", action="store_true", help="reserve <2xx> target-language tags")
@@ -570,6 +578,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("average", help="average checkpoints (a save dir's last N, or given files)")
     p.add_argument("checkpoints", nargs="+")
     p.add_argument("--last", type=int, help="with a save dir: average its last N periodic checkpoints (default 5)")
+    p.add_argument("--allow-different-runs", action="store_true",
+                   help="average checkpoints of different training runs too (a model soup); without it they are "
+                        "an error, since the mean of independently trained models is far worse than each")
     p.add_argument("-o", "--output", required=True)
 
     p = sub.add_parser("translate", help="translate a file or stdin")

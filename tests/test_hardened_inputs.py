@@ -1,8 +1,12 @@
 """Bad inputs give a one-line ``nmtflow CMD: error: ...`` naming the file and exit status 2."""
 from __future__ import annotations
 
+import errno
+import os
 import random
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +16,7 @@ from hypothesis import strategies as st
 
 from nmtflow.cli import main
 from nmtflow.config import to_dict
-from nmtflow.train.checkpoint import FORMAT, save_atomic
+from nmtflow.train.checkpoint import FORMAT, load_checkpoint, save_atomic
 
 from tests.conftest import copy_sentences, tiny_config, write_split
 
@@ -222,3 +226,180 @@ def test_a_byte_order_mark_is_not_text(tmp_path: Path, capsys: pytest.CaptureFix
     (tmp_path / "ref.txt").write_text("\ufeff" + "".join(s + "\r\n" for s in lines), encoding="utf-8")
     assert main(["evaluate", "--hyp", str(tmp_path / "hyp.txt"), "--ref", str(tmp_path / "ref.txt")]) == 0
     assert "BLEU = 100.00" in capsys.readouterr().out
+
+
+# ---- faults that must not pass silently: a flipped bit, a corrupt model inside, other runs, a full disk ---------
+def source_file(tmp_path: Path) -> str:
+    src = tmp_path / "in.txt"
+    src.write_text("alpha bravo charlie\n", encoding="utf-8")
+    return str(src)
+
+
+def test_a_bit_flipped_checkpoint_is_refused(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: it loaded and translated into something else, with exit status 0."""
+    ckpt = load_checkpoint(run_dir / "checkpoint_last.pt")
+    name = max(ckpt["model"], key=lambda k: ckpt["model"][k].numel())
+    data = bytearray((run_dir / "checkpoint_last.pt").read_bytes())
+    at = data.find(ckpt["model"][name].numpy().tobytes()[:64])
+    assert at > 0
+    data[at + 3] ^= 0x80  # the sign of the tensor's first float: a finite model, another translation
+    flipped = tmp_path / "flipped.pt"
+    flipped.write_bytes(bytes(data))
+    err = one_line_error(["translate", str(flipped), "-i", source_file(tmp_path), "--device", "cpu"], str(flipped),
+                         capsys)
+    assert "corrupted: the bytes of model/" in err and "differ from those it was saved with (integrity code)" in err
+    older = {k: v for k, v in ckpt.items() if k not in ("integrity", "run_id")}  # written before codes and run ids
+    torch.save(older, tmp_path / "older.pt")
+    assert main(["translate", str(tmp_path / "older.pt"), "-i", source_file(tmp_path), "--device", "cpu"]) == 0
+
+
+def test_a_corrupt_sentencepiece_model_inside_a_checkpoint_names_the_checkpoint(
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: the error named a temporary file (/tmp/nmtflow-spm-....model) that the user never saw."""
+    ckpt = load_checkpoint(run_dir / "checkpoint_last.pt")
+    model = ckpt["tokenizers"]["src"]
+    ckpt["tokenizers"] = {"src": model[: model.numel() // 2].clone(), "tgt": ckpt["tokenizers"]["tgt"]}
+    bad = tmp_path / "bad_spm.pt"
+    save_atomic(ckpt, bad)  # broken before it was saved: its integrity code is right
+    err = one_line_error(["translate", str(bad), "-i", source_file(tmp_path), "--device", "cpu"], str(bad), capsys)
+    assert f"{bad}: cannot load its src SentencePiece model" in err and "nmtflow-spm" not in err
+
+
+def test_a_checkpoint_whose_weights_do_not_fit_its_model_says_which(run_dir: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: only PyTorch's header line, "Error(s) in loading state_dict for Transformer:", without the mismatch."""
+    ckpt = load_checkpoint(run_dir / "checkpoint_last.pt")
+    name = next(k for k, v in ckpt["model"].items() if v.dim() == 2)
+    ckpt["model"][name] = torch.cat([ckpt["model"][name]] * 2)
+    wrong = tmp_path / "wrong.pt"
+    save_atomic(ckpt, wrong)
+    err = one_line_error(["translate", str(wrong), "-i", source_file(tmp_path), "--device", "cpu"], str(wrong), capsys)
+    assert f"checkpoint does not match its model (size mismatch for {name}: " in err
+
+
+def test_checkpoints_hold_the_tokenizers_the_run_started_with(run_dir: Path, copy_data: Path, tmp_path: Path) -> None:
+    """Before: each save read the SentencePiece files again, so a data dir prepared again during training put
+    another vocabulary into the checkpoints of a model trained with the first one."""
+    import shutil
+
+    from nmtflow.config import load_config
+    from nmtflow.train.trainer import Trainer
+
+    data = tmp_path / "data"
+    shutil.copytree(copy_data, data)
+    config = yaml.safe_load((run_dir / "run.yaml").read_text(encoding="utf-8"))
+    config["data"]["path"], config["train"]["save_dir"] = str(data), str(tmp_path / "run")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    threads = torch.get_num_threads()
+    try:
+        trainer = Trainer(load_config(tmp_path / "run.yaml"))
+        model = trainer.src_tok.path
+        started_with = model.read_bytes()
+        model.write_bytes(started_with[: len(started_with) // 2])  # the files change under the running training
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+    saved = load_checkpoint(tmp_path / "run" / "checkpoint_last.pt")["tokenizers"]
+    assert all(t.numpy().tobytes() == started_with for t in saved.values())
+
+
+class Unsafe:
+    """An object that only running code rebuilds: ``weights_only`` loading refuses it."""
+
+
+def test_a_checkpoint_that_weights_only_loading_refuses_keeps_pytorchs_reason(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: PyTorch's first line only ("Weights only load failed. This file can still be loaded, ..."), cut at
+    200 characters with terminal escapes in it, and called "truncated or corrupted"; the reason was lost."""
+    path = tmp_path / "pickled.pt"
+    torch.save({"format": FORMAT, "model": {}, "extra": Unsafe()}, path)
+    with pytest.raises(Exception) as caught:
+        torch.load(path, weights_only=True)
+    reason = str(caught.value).split("WeightsUnpickler error: ")[1].splitlines()[0].strip()
+    assert "Unsupported global" in reason and len(reason) > 200
+    err = one_line_error(["translate", str(path), "--device", "cpu"], str(path), capsys)
+    assert "weights_only=True" in err and reason in err and "\x1b" not in err and "truncated" not in err
+
+
+def test_averaging_checkpoints_of_different_runs_needs_asking(run_dir: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: two runs of the same config with other seeds were averaged into a model far worse than either."""
+    other = tmp_path / "other"
+    train = ["train", str(run_dir / "run.yaml"), "--save-dir", str(other), "--set", "train.seed=2",
+             "--set", "train.save_every=1"]
+    threads = torch.get_num_threads()
+    try:
+        assert main(train) == 0
+        assert main([*train, "--set", "train.max_updates=2"]) == 0  # resumed: the same run
+    finally:
+        torch.set_num_threads(threads)
+    capsys.readouterr()
+    a, b = run_dir / "checkpoint_last.pt", other / "checkpoint_last.pt"  # same base name: the full paths tell them
+    err = one_line_error(["average", str(a), str(b), "-o", str(tmp_path / "avg.pt")], str(a), capsys)
+    assert str(b) in err and "2 different training runs" in err and "--allow-different-runs" in err
+    assert not (tmp_path / "avg.pt").exists()
+    assert main(["average", str(a), str(b), "--allow-different-runs", "-o", str(tmp_path / "soup.pt")]) == 0
+    soup = load_checkpoint(tmp_path / "soup.pt")  # its own integrity code, and a run id of its own
+    assert soup["run_id"] not in (load_checkpoint(a)["run_id"], load_checkpoint(b)["run_id"])
+    first, second = (load_checkpoint(other / f"checkpoint_{n}.pt")["run_id"] for n in (1, 2))
+    assert first == second and main(["average", str(other), "-o", str(tmp_path / "one_run.pt")]) == 0
+    older = [tmp_path / "older_a.pt", tmp_path / "older_b.pt"]  # versions without run ids: averaged as before
+    for path, copy in zip((a, b), older):
+        save_atomic({k: v for k, v in load_checkpoint(path).items() if k != "run_id"}, copy)
+    assert main(["average", *map(str, older), "-o", str(tmp_path / "older_avg.pt")]) == 0
+
+
+FULL_DISK_CASES = ["translate_to_a_device", "translate_to_a_file", "checkpoint", "training_log", "analysis_results"]
+
+
+@pytest.mark.parametrize("case", FULL_DISK_CASES)
+def test_a_full_disk_names_the_file_it_could_not_write(case: str, run_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: "[Errno 28] No space left on device" alone (translate -o, the training log, analysis results), or
+    naming a temporary file (a checkpoint whose temporary file could not be made). /dev/full fails every write
+    with ENOSPC."""
+    ckpt, src = str(run_dir / "checkpoint_last.pt"), source_file(tmp_path)
+    if case == "translate_to_a_device":
+        err = one_line_error(["translate", ckpt, "-i", src, "-o", "/dev/full", "--device", "cpu"], "/dev/full", capsys)
+        assert "/dev/full: could not write the output (No space left on device)" in err
+    elif case == "translate_to_a_file":
+        out = tmp_path / "out.txt"
+        out.write_text("earlier\n", encoding="utf-8")
+        make_temp = tempfile.mkstemp
+
+        def onto_a_full_disk(**kwargs: str) -> tuple[int, str]:
+            fd, tmp = make_temp(**kwargs)
+            os.close(fd)
+            return os.open("/dev/full", os.O_WRONLY), tmp
+
+        monkeypatch.setattr(tempfile, "mkstemp", onto_a_full_disk)
+        err = one_line_error(["translate", ckpt, "-i", src, "-o", str(out), "--device", "cpu"], str(out), capsys)
+        assert f"{out}: could not write the output (No space left on device); it is unchanged" in err
+        assert out.read_text(encoding="utf-8") == "earlier\n" and not list(tmp_path.glob(".*.tmp"))
+    elif case == "checkpoint":
+        def no_room(**kwargs: str) -> tuple[int, str]:
+            raise OSError(errno.ENOSPC, "No space left on device", f"{kwargs['dir']}/{kwargs['prefix']}x.tmp")
+
+        target = tmp_path / "checkpoint_last.pt"
+        monkeypatch.setattr(tempfile, "mkstemp", no_room)
+        with pytest.raises(OSError) as caught:
+            save_atomic({"format": FORMAT}, target)
+        assert str(caught.value) == f"{target}: could not write the checkpoint (No space left on device)"
+        assert caught.value.errno == errno.ENOSPC
+    elif case == "training_log":
+        from nmtflow.train.trainer import Trainer
+
+        log = tmp_path / "log.jsonl"
+        log.symlink_to("/dev/full")
+        trainer = SimpleNamespace(dist=SimpleNamespace(is_main=True), progress=SimpleNamespace(update=3),
+                                  save_dir=tmp_path, writer=False)
+        with pytest.raises(OSError, match=f"^{log}: could not write the log \\(No space left on device\\)$"):
+            Trainer.record(trainer, "train", {"loss": 1.0})  # type: ignore[arg-type]
+    else:
+        from nmtflow.analysis.report import write_json
+
+        results = tmp_path / "probes.json"
+        results.symlink_to("/dev/full")
+        with pytest.raises(OSError, match=f"^{results}: could not write the results \\(No space left on device\\)$"):
+            write_json({"a": 1}, results)

@@ -6,13 +6,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nmtflow.evaluate.metrics import json_safe
+from nmtflow.train.checkpoint import write_failure
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> None:
     """``result`` as indented JSON (NaN written as null), creating the folder."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(result), indent=2) + "\n", encoding="utf-8")
+    text = json.dumps(json_safe(result), indent=2) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:  # a full disk: the file named (a failed write's error names none)
+        raise write_failure(path, "the results", exc) from None
 
 
 def write_report(result: dict[str, Any], out_dir: str | Path, stem: str,

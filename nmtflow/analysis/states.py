@@ -91,7 +91,7 @@ def load_models(paths: Sequence[str | Path], data_dir: str | Path, split: str, l
         if not (hasattr(model, "encoder") and hasattr(getattr(model, "decoder", None), "features")):
             raise ValueError(f"{path}: the analyses need a Transformer (model {type(model).__name__})")
         for lang, tok in ((dc.src_lang, translator.src_tokenizer), (dc.tgt_lang, translator.tgt_tokenizer)):
-            if tokenizer_path(data_dir, meta, lang).read_bytes() != tok.path.read_bytes():
+            if tokenizer_path(data_dir, meta, lang).read_bytes() != tok.model_proto:
                 raise ValueError(f"{data_dir}: its {lang} tokenizer is not the one {path} was trained with")
         model.requires_grad_(False)
         data = open_bitext(data_dir, split, dc.src_lang, dc.tgt_lang)

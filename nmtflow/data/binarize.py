@@ -28,6 +28,7 @@ _DTYPE_CODES: dict[int, np.dtype] = {
     5: np.dtype("<u4"),
 }
 _CODE_OF = {dt: code for code, dt in _DTYPE_CODES.items()}
+_IDS_CHECKED: set[tuple[int, int, int, int, int]] = set()  # (device, inode, size, mtime, vocab) of checked .bin files
 
 
 def bin_path(prefix: str | Path) -> Path:
@@ -158,11 +159,36 @@ def write_indexed(
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of a dataset written by :func:`write_indexed`."""
+    """Read-only, memory-mapped view of a dataset written by :func:`write_indexed`.
 
-    def __init__(self, prefix: str | Path) -> None:
+    With ``vocab_size``, opening it checks once (one min/max pass over the map) that every id is below it: an
+    overwritten block would otherwise fail training with an ``IndexError`` some updates later.
+    """
+
+    def __init__(self, prefix: str | Path, vocab_size: int | None = None) -> None:
         self.prefix = Path(prefix)
+        self.vocab_size = vocab_size
         self._open()
+        if vocab_size is not None:
+            self._check_ids(vocab_size)
+
+    def _check_ids(self, vocab_size: int) -> None:
+        """A ValueError naming ``PREFIX.bin`` and the first row that holds an id outside ``[0, vocab_size)``."""
+        data = self._data
+        st = bin_path(self.prefix).stat()
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, vocab_size)
+        if not data.size or key in _IDS_CHECKED:  # e.g. a language's file opened for each of its directions
+            return
+        low = int(data.min()) if self.dtype.kind == "i" else 0
+        high = int(data.max())
+        if low >= 0 and high < vocab_size:
+            _IDS_CHECKED.add(key)
+            return
+        pos = int(np.argmax((data < 0) | (data >= vocab_size)))
+        row = int(np.searchsorted(self._offsets, pos, side="right")) - 1
+        raise ValueError(f"{bin_path(self.prefix)}: row {row + 1} holds token id {int(data[pos])}, outside the "
+                         f"vocabulary of {vocab_size} ids (ids {low}..{high} in the file): corrupt, or not of this "
+                         "data directory; prepare the data again")
 
     def _open(self) -> None:
         ip, bp = idx_path(self.prefix), bin_path(self.prefix)
@@ -245,10 +271,11 @@ class IndexedDataset:
             yield self[i]
 
     def __getstate__(self) -> dict:  # re-map in the receiving process instead of copying data
-        return {"prefix": str(self.prefix)}
+        return {"prefix": str(self.prefix), "vocab_size": self.vocab_size}
 
-    def __setstate__(self, state: dict) -> None:
+    def __setstate__(self, state: dict) -> None:  # the ids were checked where the dataset was opened
         self.prefix = Path(state["prefix"])
+        self.vocab_size = state.get("vocab_size")
         self._open()
 
     def __repr__(self) -> str:

@@ -36,14 +36,15 @@ def tokenizer_path(data_dir: str | Path, meta: dict[str, Any], lang: str) -> Pat
 
 
 def open_bitext(data_dir: str | Path, split: str, src_lang: str, tgt_lang: str) -> Bitext:
-    """Open ``SPLIT.{src,tgt}`` of a prepared directory (errors name the directory and what is missing)."""
+    """Open ``SPLIT.{src,tgt}`` of a prepared directory (errors name the directory and what is missing, or the file
+    holding an id outside its language's vocabulary)."""
     meta = load_meta(data_dir)
     for lang in (src_lang, tgt_lang):
         tokenizer_path(data_dir, meta, lang)
     if split not in meta["splits"]:
         raise ValueError(f"{data_dir}: split {split!r} not prepared (splits: {', '.join(meta['splits'])})")
-    return Bitext(IndexedDataset(Path(data_dir) / f"{split}.{src_lang}"),
-                  IndexedDataset(Path(data_dir) / f"{split}.{tgt_lang}"))
+    return Bitext(*(IndexedDataset(Path(data_dir) / f"{split}.{lang}", vocab_size=meta["vocab_size"][lang])
+                    for lang in (src_lang, tgt_lang)))
 
 
 def long_sentence_message(data_dir: str | Path, split: str, lang: str, row: int, count: int, length: int,

@@ -126,19 +126,20 @@ def _iter_lines(path: Path, block_size: int = _READ_CHUNK) -> Iterator[str]:
                 raise error
 
 
-def iter_tsv(path: str | Path) -> Iterator[tuple[int, list[str]]]:
-    """(line number, tab-separated fields) of the non-empty lines of a UTF-8 file (a byte-order mark dropped, as
-    :func:`read_lines` does); errors name the file and line."""
+def iter_tsv(path: str | Path, *, skip_blank: bool = True) -> Iterator[tuple[int, list[str]]]:
+    """(line number, tab-separated fields) of the lines of a UTF-8 file (a byte-order mark dropped, as
+    :func:`read_lines` does), blank ones skipped unless ``skip_blank`` is False; errors name the file and line."""
     _check_file(Path(path))
     with open(path, "rb") as fh:
         for line_no, raw in enumerate(fh, 1):
             try:
                 text = raw.decode("utf-8").rstrip("\r\n")
             except UnicodeDecodeError as exc:
-                raise CorpusError(path, f"invalid UTF-8 at byte {exc.start}", line=line_no) from None
+                raise CorpusError(path, f"invalid UTF-8 at byte offset {exc.start} of the line ({exc.reason})",
+                                  line=line_no) from None
             if line_no == 1:
                 text = text.removeprefix("\ufeff")
-            if text.strip():
+            if text.strip() or not skip_blank:
                 yield line_no, text.split("\t")
 
 def iter_parallel(

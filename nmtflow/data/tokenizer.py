@@ -40,25 +40,47 @@ class Tokenizer:
     """A loaded SentencePiece model.
 
     ``encode`` returns plain subword ids (no BOS/EOS: batching adds those); ``decode`` stops at
-    the first EOS and skips PAD/BOS, so it accepts raw model output.
+    the first EOS and skips PAD/BOS, so it accepts raw model output. ``path`` is the model's file (None for a
+    model loaded from bytes, such as one inside a checkpoint), ``name`` the file that messages name, and
+    ``model_proto`` the serialized model.
     """
 
     def __init__(self, model_path: str | Path, *, num_threads: int | None = None) -> None:
-        self.path = Path(model_path)
+        path = Path(model_path)
+        if not path.is_file():
+            raise CorpusError(path, "SentencePiece model not found")
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CorpusError(path, f"cannot read SentencePiece model ({e.strerror or e})") from None
+        self._load(data, path, str(path), "SentencePiece model", num_threads)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str | Path, *, what: str = "SentencePiece model",
+                   num_threads: int | None = None) -> "Tokenizer":
+        """The serialized model ``data`` (no file is written); errors name ``name``, the file that holds it, and
+        ``what`` it is there (e.g. ``its src SentencePiece model`` for a checkpoint's)."""
+        tok = cls.__new__(cls)
+        tok._load(bytes(data), None, str(name), what, num_threads)
+        return tok
+
+    def _load(self, data: bytes, path: Path | None, name: str, what: str, num_threads: int | None) -> None:
+        self.path, self.name, self.what, self.model_proto = path, name, what, data
         self.num_threads = num_threads or _default_threads()
-        if not self.path.is_file():
-            raise CorpusError(self.path, "SentencePiece model not found")
         sp = spm.SentencePieceProcessor()
         try:
-            sp.Load(model_file=str(self.path))
-        except (OSError, RuntimeError, ValueError) as e:
-            raise CorpusError(self.path, f"cannot load SentencePiece model ({e})") from None
+            sp.LoadFromSerializedProto(data)
+        except (OSError, RuntimeError, ValueError, TypeError) as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            if "ParseFromArray" in reason:  # SentencePiece's only word on it is a place in its C++ source
+                reason = "not a SentencePiece model, or a corrupted one"
+            raise CorpusError(name, f"cannot load {what} ({reason})") from None
         got = (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id())
         if got != (PAD, UNK, BOS, EOS):
             raise CorpusError(
-                self.path,
-                f"special ids are (pad, unk, bos, eos)={got}, expected {(PAD, UNK, BOS, EOS)}; "
-                "train the model with Tokenizer.train",
+                name,
+                f"special ids{'' if path is not None else ' of ' + what} are (pad, unk, bos, eos)={got}, expected "
+                f"{(PAD, UNK, BOS, EOS)}; train the model with Tokenizer.train",
             )
         self._sp = sp
         self._size = int(sp.GetPieceSize())
@@ -168,7 +190,7 @@ class Tokenizer:
         arr = arr[(arr != PAD) & (arr != BOS)]
         if arr.size and (arr.min() < 0 or arr.max() >= self._size):
             bad = int(arr[(arr < 0) | (arr >= self._size)][0])
-            raise ValueError(f"{self.path}: id {bad} is outside the vocabulary (size {self._size})")
+            raise ValueError(f"{self.name}: id {bad} is outside the vocabulary (size {self._size})")
         return arr.tolist()
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
@@ -194,21 +216,23 @@ class Tokenizer:
         """The id of ``piece``; raises ``KeyError`` for a piece that is not in the vocabulary."""
         i = int(self._sp.PieceToId(piece))
         if i == UNK and piece != UNK_PIECE:
-            raise KeyError(f"{piece!r} is not in the vocabulary of {self.path}")
+            raise KeyError(f"{piece!r} is not in the vocabulary of {self.name}")
         return i
 
     def __contains__(self, piece: str) -> bool:
         return int(self._sp.PieceToId(piece)) != UNK or piece == UNK_PIECE
 
-    # -- pickling (e.g. for data-loader worker processes) ----------------------------------------
+    # -- pickling (e.g. for data-loader worker processes): the model's bytes, so no file is read again ----------
     def __getstate__(self) -> dict:
-        return {"path": str(self.path), "num_threads": self.num_threads}
+        return {"path": None if self.path is None else str(self.path), "name": self.name, "what": self.what,
+                "model_proto": self.model_proto, "num_threads": self.num_threads}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"], num_threads=state["num_threads"])
+        path = None if state["path"] is None else Path(state["path"])
+        self._load(state["model_proto"], path, state["name"], state["what"], state["num_threads"])
 
     def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self._size})"
+        return f"Tokenizer({self.name!r}, vocab_size={self._size})"
 
 
 __all__ = ["Tokenizer"]

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from nmtflow.data.corpus import CorpusError, iter_tsv
+from nmtflow.data.corpus import CorpusError, is_blank, iter_tsv
 
 
 class Candidates(NamedTuple):
@@ -25,14 +25,17 @@ def field_name(field: int) -> str:
 
 
 def read_candidates(path: str | Path) -> list[Candidates]:
-    """The lines of a candidates file; a line with fewer than three fields or an empty field is an error naming
-    FILE:LINE (blank lines are skipped)."""
+    """The lines of a candidates file; a blank line, a line with fewer than three fields or an empty field (one
+    with nothing SentencePiece would encode) is an error naming FILE:LINE."""
     rows = []
-    for line_no, fields in iter_tsv(path):
+    for line_no, fields in iter_tsv(path, skip_blank=False):
+        if len(fields) == 1 and is_blank(fields[0]):
+            raise CorpusError(path, "blank line (expected SOURCE<TAB>CORRECT<TAB>INCORRECT…; every line is one "
+                                    "test item)", line=line_no)
         if len(fields) < 3:
             raise CorpusError(path, f"expected SOURCE<TAB>CORRECT<TAB>INCORRECT…, got {len(fields)} field(s)",
                               line=line_no)
-        empty = [k for k, text in enumerate(fields, 1) if not text.strip()]
+        empty = [k for k, text in enumerate(fields, 1) if is_blank(text)]
         if empty:
             raise CorpusError(path, f"malformed line: field {empty[0]} ({field_name(empty[0])}) is empty "
                                     "(expected SOURCE<TAB>CORRECT<TAB>INCORRECT…, no empty fields)", line=line_no)
@@ -42,14 +45,15 @@ def read_candidates(path: str | Path) -> list[Candidates]:
     return rows
 
 
-def contrastive_accuracy(translator: Any, path: str | Path) -> dict[str, Any]:
+def contrastive_accuracy(translator: Any, path: str | Path, rows: list[Candidates] | None = None) -> dict[str, Any]:
     """Share of sources whose correct translation scores strictly above all its incorrect ones.
 
     A candidate that tokenises as its line's correct translation (the same string, or one differing in spacing
     only) ties with it, whatever batch each lands in: every distinct (source, target pieces) pair is scored once,
-    so scores never differ by batch-composition noise. A NaN score is a ValueError naming FILE:LINE.
+    so scores never differ by batch-composition noise. A NaN score is a ValueError naming FILE:LINE. ``rows``:
+    :func:`read_candidates` of ``path``, if it was read already.
     """
-    rows = read_candidates(path)
+    rows = read_candidates(path) if rows is None else rows
     sources, targets, origin = [], [], []  # origin: (line, field) of each scored pair's target
     for row in rows:
         for field, tgt in enumerate([row.correct, *row.incorrect], 2):

@@ -106,7 +106,7 @@ def ensemble_translator(translators: list[Translator], names: list[str]) -> Tran
     for translator, name in zip(translators[1:], names[1:]):
         for side in ("src", "tgt"):
             mine, theirs = getattr(translator, f"{side}_tokenizer"), getattr(first, f"{side}_tokenizer")
-            if not same_model(Path(mine.path).read_bytes(), Path(theirs.path).read_bytes()):
+            if not same_model(mine.model_proto, theirs.model_proto):
                 raise CheckpointError(f"{name}: its {'source' if side == 'src' else 'target'} vocabulary is not "
                                       f"that of {names[0]}; the models of an ensemble must share their "
                                       "vocabularies (be trained on the same prepared data)")

@@ -13,7 +13,7 @@ from nmtflow.data.vocab import lang_tag
 from nmtflow.decode.translate import Translator, position_limits, tokenizer_from_bytes
 from nmtflow.models.base import build_model
 from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
-from nmtflow.train.checkpoint import CheckpointError, load_checkpoint
+from nmtflow.train.checkpoint import CheckpointError, load_checkpoint, model_mismatch
 
 
 @dataclass
@@ -84,9 +84,10 @@ def load_multilingual(path: str | Path, device: str | torch.device = "cpu", *,
         config = config_from_dict(ckpt["config"])
         model = build_model(config.model, LanguageVocabularies(**ckpt["vocab"]))
         model.load_state_dict(ckpt["model"])
-        tokenizers = {lang: tokenizer_from_bytes(t.numpy().tobytes()) for lang, t in ckpt["tokenizers"].items()}
+        tokenizers = {lang: tokenizer_from_bytes(t.numpy().tobytes(), path, lang)
+                      for lang, t in ckpt["tokenizers"].items()}
     except (KeyError, RuntimeError, TypeError) as exc:
-        raise CheckpointError(f"{path}: checkpoint does not match its model ({str(exc).splitlines()[0][:200]})") from None
+        raise CheckpointError(f"{path}: checkpoint does not match its model ({model_mismatch(exc)})") from None
     model.to(device).eval()
     langs = ckpt.get("langs", {})
     return MultilingualCheckpoint(model, tokenizers, config, list(langs.get("directions", [])),

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import io
 import logging
 import math
 import os
@@ -21,33 +21,39 @@ from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.search import Hypothesis, beam_search, greedy_search, sequence_logprobs
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model
 from nmtflow.runtime import new_file_mode
-from nmtflow.train.checkpoint import CheckpointError, load_checkpoint
+from nmtflow.train.checkpoint import CheckpointError, load_checkpoint, model_mismatch, write_failure
 
 log = logging.getLogger(__name__)
 
 
-def tokenizer_from_bytes(data: bytes) -> Tokenizer:
-    """A Tokenizer from a serialized SentencePiece model (as stored inside checkpoints)."""
-    digest = hashlib.sha1(data).hexdigest()
-    path = Path(tempfile.gettempdir()) / f"nmtflow-spm-{digest[:16]}.model"  # shared by the processes that load it
-    try:
-        cached = path.is_file() and hashlib.sha1(path.read_bytes()).hexdigest() == digest
-    except OSError:  # another user's file, unreadable
-        cached = False
-    if not cached:
-        fd, tmp = tempfile.mkstemp(prefix="nmtflow-spm-", suffix=".tmp")  # a private name: no collisions
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+def tokenizer_from_bytes(data: bytes, checkpoint: str | Path, side: str) -> Tokenizer:
+    """The Tokenizer of a serialized SentencePiece model stored in ``checkpoint`` as its ``side`` (``src``,
+    ``tgt`` or a language), loaded from the bytes (no file is written); errors name the checkpoint."""
+    return Tokenizer.from_bytes(data, checkpoint, what=f"its {side} SentencePiece model")
+
+
+def bytes_tensor(source: str | Path | bytes) -> torch.Tensor:
+    """Bytes, or a file's bytes, as a uint8 tensor (safe to store under ``weights_only=True``)."""
+    data = source if isinstance(source, bytes) else Path(source).read_bytes()
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+class _NamedFile(io.FileIO):
+    """A file whose failed writes (a full disk) raise an ``OSError`` naming ``name``, where Python's names no file."""
+
+    def __init__(self, file: int | str, name: str | Path, unchanged: bool) -> None:
+        super().__init__(file, "w")
+        self._name, self._unchanged = name, unchanged
+
+    def write(self, data: Any) -> int:
         try:
-            os.replace(tmp, path)
-        except OSError:  # the shared name is taken by another user's file: keep the private copy
-            path = Path(tmp)
-    return Tokenizer(path)
+            return super().write(data)
+        except OSError as exc:
+            raise write_failure(self._name, "the output", exc, unchanged=self._unchanged) from None
 
 
-def bytes_tensor(path: str | Path) -> torch.Tensor:
-    """A file's bytes as a uint8 tensor (safe to store under ``weights_only=True``)."""
-    return torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8).clone()
+def _text_file(file: int | str, name: str | Path, unchanged: bool = False) -> TextIO:
+    return io.TextIOWrapper(io.BufferedWriter(_NamedFile(file, name, unchanged)), encoding="utf-8")
 
 
 @contextlib.contextmanager
@@ -56,7 +62,7 @@ def output_file(path: str | Path | None) -> Iterator[TextIO]:
 
     It is written beside ``path`` under a temporary name, renamed over it at the end and removed on failure, so a
     failed run leaves an existing ``path`` as it was. A ``path`` that is not a regular file (``/dev/stdout``, a
-    FIFO) is written directly.
+    FIFO) is written directly. A failed write (a full disk) is an ``OSError`` naming ``path``.
     """
     if path is None:
         yield sys.stdout
@@ -65,7 +71,11 @@ def output_file(path: str | Path | None) -> Iterator[TextIO]:
     if target.is_dir():
         raise IsADirectoryError(f"{path}: is a directory")
     if target.exists() and not target.is_file():
-        with open(target, "w", encoding="utf-8") as out:
+        try:
+            out = _text_file(str(target), path)
+        except OSError as exc:
+            raise write_failure(path, "the output", exc) from None
+        with out:
             yield out
         return
     try:
@@ -76,10 +86,13 @@ def output_file(path: str | Path | None) -> Iterator[TextIO]:
     if mode is None:  # a new file: the permissions open() would give it
         mode = new_file_mode()
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
+        with _text_file(fd, path, unchanged=True) as out:
             yield out
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
+        try:
+            os.chmod(tmp, mode)
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise write_failure(path, "the output", exc, unchanged=True) from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -167,10 +180,10 @@ class Translator:
             vocab = Vocabularies(**ckpt["vocab"])
             model = build_model(config.model, vocab)
             model.load_state_dict(ckpt["model"])
-            src_tok = tokenizer_from_bytes(ckpt["tokenizers"]["src"].numpy().tobytes())
-            tgt_tok = tokenizer_from_bytes(ckpt["tokenizers"]["tgt"].numpy().tobytes())
+            src_tok = tokenizer_from_bytes(ckpt["tokenizers"]["src"].numpy().tobytes(), path, "src")
+            tgt_tok = tokenizer_from_bytes(ckpt["tokenizers"]["tgt"].numpy().tobytes(), path, "tgt")
         except (KeyError, RuntimeError, TypeError) as exc:
-            raise CheckpointError(f"{path}: checkpoint does not match its model ({str(exc).splitlines()[0][:200]})") from None
+            raise CheckpointError(f"{path}: checkpoint does not match its model ({model_mismatch(exc)})") from None
         model.to(device).eval()
         return cls(model, src_tok, tgt_tok, decode or config.decode, config)
 

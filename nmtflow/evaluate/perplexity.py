@@ -98,7 +98,7 @@ def open_checkpoint_data(translator: Translator, data_dir: str | Path, split: st
     data = open_bitext(data_dir, split, src, tgt)
     data.src_prefix = translator.src_prefix
     for lang, tok in ((src, translator.src_tokenizer), (tgt, translator.tgt_tokenizer)):
-        if not same_model((Path(data_dir) / meta["tokenizers"][lang]).read_bytes(), Path(tok.path).read_bytes()):
+        if not same_model((Path(data_dir) / meta["tokenizers"][lang]).read_bytes(), tok.model_proto):
             raise ValueError(f"{data_dir}: its {lang} vocabulary ({meta['tokenizers'][lang]}) is not the one "
                              f"{checkpoint} was trained with; give the data directory prepared for that run")
     return data

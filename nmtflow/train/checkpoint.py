@@ -3,17 +3,21 @@
 A checkpoint is a plain dict of tensors and primitive values (no pickled classes), so loading never runs
 code: ``format``, ``config`` (the whole experiment as a dict), ``model`` (state dict), ``vocab``
 (sizes), ``langs``, ``tokenizers`` (the SentencePiece models as uint8 tensors: a checkpoint is
-self-contained), and for resuming ``optimizer``, ``scheduler``, ``progress``, ``rng``.
+self-contained), ``run_id`` (the training run that wrote it: checkpoints of different runs are not averaged by
+mistake), ``integrity`` (a SHA-256 code of every tensor, checked on loading: a bit flipped on a disk or in a copy
+is an error, not a different model), and for resuming ``optimizer``, ``scheduler``, ``progress``, ``rng``.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
 import stat
 import tempfile
+import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
@@ -21,6 +25,7 @@ from nmtflow.data.tokenizer import same_model
 from nmtflow.runtime import new_file_mode
 
 FORMAT = "nmtflow-1"
+INTEGRITY = "integrity"  # the checkpoint's key of its integrity code (see integrity_code)
 LOCK_NAME = ".lock"  # in a save dir: held by the process that trains there
 
 log = logging.getLogger(__name__)
@@ -31,16 +36,28 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be read; the message names the file."""
 
 
+def write_failure(path: str | Path, what: str, exc: BaseException, *, unchanged: bool = False) -> OSError:
+    """An ``OSError`` naming ``path`` and ``what`` could not be written to it, with the system's reason (a full disk:
+    "No space left on device"), and that the file is ``unchanged``; it keeps ``exc``'s errno (``errno.ENOSPC``)."""
+    reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    error = OSError(f"{path}: could not write {what} ({reason[:200]})" + ("; it is unchanged" if unchanged else ""))
+    error.errno = getattr(exc, "errno", None)
+    return error
+
+
 def write_atomic(path: str | Path, write: Callable[[BinaryIO], None], what: str, mode: int | None = None) -> None:
     """``write(file)`` to a temporary file in ``path``'s directory, fsync, then rename it over ``path``.
 
     The file gets ``mode``, by default the permissions of any new file (``0o666`` less the umask), not the
     temporary file's 0600. A failed write (a full disk, say) leaves ``path`` as it was and raises an ``OSError``
-    naming it and ``what`` it holds.
+    naming it and ``what`` it holds, also where the temporary file cannot be made.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:  # a full disk or inode table, a read-only directory: the target named, not the temporary
+        raise write_failure(path, what, exc, unchanged=os.path.exists(path)) from None
     try:
         os.fchmod(fd, new_file_mode() if mode is None else mode)
         with os.fdopen(fd, "wb") as handle:
@@ -51,14 +68,87 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], None], what: str,
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
-            reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise OSError(f"{path}: could not write {what} ({reason[:200]}); it is unchanged") from None
+            raise write_failure(path, what, exc, unchanged=True) from None
         raise
 
 
-def save_atomic(obj: dict[str, Any], path: str | Path) -> None:
-    """torch.save ``obj`` to ``path`` through :func:`write_atomic`."""
-    write_atomic(path, lambda handle: torch.save(obj, handle), "the checkpoint")
+def integrity_code(obj: dict[str, Any]) -> dict[str, Any]:
+    """The integrity code of checkpoint ``obj``: the SHA-256 of each tensor's dtype, shape and bytes, by its place
+    in ``obj`` (``model/encoder.embed.weight``); ``obj``'s own code, if any, is left out.
+
+    Each tensor is read once, where it lies (a tensor on an accelerator is copied to the host for it), and a tensor
+    held under two names (tied embeddings) is hashed once.
+    """
+    seen: dict[tuple, str] = {}
+    digests: dict[str, str] = {}
+    for name, tensor in _tensors({k: v for k, v in obj.items() if k != INTEGRITY}):
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+               tuple(tensor.stride()), tensor.dtype, tensor.device) if tensor.numel() else None
+        if key is None or key not in seen:
+            digest = _tensor_digest(tensor)
+            if key is not None:
+                seen[key] = digest
+        digests[name] = digest if key is None else seen[key]
+    return {"algorithm": "sha256", "tensors": digests}
+
+
+def _tensors(obj: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(place, tensor) for every tensor in ``obj``'s dicts, lists and tuples, in their order."""
+    if isinstance(obj, torch.Tensor):
+        yield "/".join(path), obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _tensors(value, (*path, str(key)))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors(value, (*path, str(i)))
+
+
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    digest = hashlib.sha256(f"{tensor.dtype} {tuple(tensor.shape)}".encode())
+    if tensor.numel():
+        data = tensor.detach().cpu().reshape(-1)  # no copy for a contiguous tensor on the host
+        digest.update(data.view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def check_integrity(ckpt: dict[str, Any], path: str | Path) -> None:
+    """A :class:`CheckpointError` naming ``path`` and the first tensor whose bytes differ from the integrity code
+    saved with them; a checkpoint without a code (written before nmtflow stored one) cannot be checked."""
+    saved = ckpt.get(INTEGRITY)
+    if saved is None:
+        return
+    advice = ("the file changed after it was written (a disk, copy or transfer fault, or an edit not saved with "
+              "nmtflow); use an intact copy")
+    if not (isinstance(saved, dict) and saved.get("algorithm") == "sha256" and isinstance(saved.get("tensors"), dict)):
+        raise CheckpointError(f"{path}: corrupted: its integrity code is unreadable; {advice}")
+    expected: dict[str, Any] = saved["tensors"]
+    found = integrity_code(ckpt)["tensors"]
+    for name, digest in found.items():
+        if name not in expected:
+            raise CheckpointError(f"{path}: corrupted: it holds a tensor {name} that was not there when it was "
+                                  f"saved; {advice}")
+        if digest != expected[name]:
+            raise CheckpointError(f"{path}: corrupted: the bytes of {name} differ from those it was saved with "
+                                  f"(integrity code); {advice}")
+    missing = next((name for name in expected if name not in found), None)
+    if missing is not None:
+        raise CheckpointError(f"{path}: corrupted: the tensor {missing} it was saved with is missing; {advice}")
+
+
+def new_run_id() -> str:
+    """A new training run's id, stored in every checkpoint it writes (see :func:`average_checkpoints`)."""
+    return uuid.uuid4().hex
+
+
+def save_atomic(obj: dict[str, Any], path: str | Path, code: dict[str, Any] | None = None) -> None:
+    """torch.save ``obj`` with its :func:`integrity_code` to ``path`` through :func:`write_atomic`.
+
+    ``code``: ``integrity_code(obj)`` when the caller has it already (one dict saved to several files is hashed
+    once); a code that ``obj`` holds is replaced.
+    """
+    sealed = {**obj, INTEGRITY: integrity_code(obj) if code is None else code}
+    write_atomic(path, lambda handle: torch.save(sealed, handle), "the checkpoint")
 
 
 def write_text_atomic(path: Path, text: str, what: str) -> None:
@@ -124,7 +214,8 @@ def remove_interrupted_saves(save_dir: str | Path) -> list[Path]:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load safely (``weights_only=True``); any failure becomes a one-line CheckpointError naming the file."""
+    """Load safely (``weights_only=True``) and check the integrity code; any failure becomes a one-line
+    CheckpointError naming the file."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"{path}: a directory, not a checkpoint file")
@@ -140,14 +231,43 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"{path}: not an nmtflow checkpoint ({what})")
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # truncated, corrupted
+    except Exception as exc:  # truncated, corrupted, or objects that only running code could rebuild
+        refused = _weights_only_refusal(str(exc))
+        if refused is not None:
+            raise CheckpointError(f"{path}: not an nmtflow checkpoint: it holds objects that loading without running "
+                                  f"code (weights_only=True, the only way nmtflow loads) cannot rebuild; PyTorch "
+                                  f"says: {refused}") from None
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         reason = reason.split(". This is an internal miniz error")[0]  # the rest is PyTorch's advice
         raise CheckpointError(f"{path}: not a readable nmtflow checkpoint, truncated or corrupted "
                               f"({reason[:200]})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an nmtflow checkpoint (format {FORMAT!r} expected)")
+    check_integrity(ckpt, path)
     return ckpt
+
+
+def _weights_only_refusal(message: str) -> str | None:
+    """PyTorch's reason, whole and on one line, for refusing a file under ``weights_only=True`` (None: another
+    failure). Its advice to load with ``weights_only=False`` around the reason is left out."""
+    if "Weights only load failed" not in message:
+        return None
+    message = re.sub(r"\x1b\[[0-9;]*m", "", message)  # terminal bold
+    marker = "WeightsUnpickler error:"
+    if marker in message:
+        reason = message.split(marker, 1)[1].split("\n\n")[0]
+    else:  # another wording: all of it
+        reason = message
+    return " ".join(reason.split())
+
+
+def model_mismatch(exc: BaseException, limit: int = 300) -> str:
+    """The informative line of an error rebuilding a checkpoint's model: for ``load_state_dict``, the first
+    mismatch (``size mismatch for ...``, ``Missing key(s) ...``), not its "Error(s) in loading state_dict" header."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    if len(lines) > 1 and lines[0].startswith("Error(s) in loading state_dict"):
+        lines = lines[1:]
+    return lines[0][:limit]
 
 
 def periodic_checkpoints(save_dir: str | Path) -> list[Path]:
@@ -160,12 +280,20 @@ def periodic_checkpoints(save_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
-    """Element-wise mean of the model parameters of ``paths``; the rest is taken from the last one."""
+def average_checkpoints(paths: list[Path], *, allow_different_runs: bool = False) -> dict[str, Any]:
+    """Element-wise mean of the model parameters of ``paths``; the rest is taken from the last one.
+
+    The checkpoints must hold one model (:func:`_check_same_model`) and come from one training run (their
+    ``run_id``; checkpoints written before runs had ids pass): the mean of independently trained models is far
+    worse than either, so averaging several runs (a model soup) takes ``allow_different_runs``, and the result gets
+    a run id of its own.
+    """
     if not paths:
         raise CheckpointError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}
     first: dict[str, Any] = {}
+    runs: dict[str, list[Path]] = {}
+    last: dict[str, Any] = {}
     for p in paths:
         ckpt = load_checkpoint(p)
         model = ckpt.get("model")
@@ -175,15 +303,24 @@ def average_checkpoints(paths: list[Path]) -> dict[str, Any]:
             first = ckpt
         else:
             _check_same_model(first, ckpt, paths[0], p)
+        if ckpt.get("run_id") is not None:
+            runs.setdefault(str(ckpt["run_id"]), []).append(p)
         for k, v in model.items():
             v = v.double() if v.is_floating_point() else v
             total[k] = total[k] + v if k in total and v.is_floating_point() else v
-    last = load_checkpoint(paths[-1])
+        last = ckpt
+    if len(runs) > 1 and not allow_different_runs:
+        listed = "; ".join(f"run {run[:8]}: {', '.join(str(p) for p in group)}" for run, group in runs.items())
+        raise CheckpointError(f"checkpoints of {len(runs)} different training runs ({listed}); the average of "
+                              "independently trained models is far worse than each, so only checkpoints of one "
+                              "run are averaged (to average several runs, a model soup, add --allow-different-runs)")
     ref = last["model"]
     averaged = {k: (v / len(paths)).to(ref[k].dtype) if v.is_floating_point() else v for k, v in total.items()}
-    keep = {k: v for k, v in last.items() if k not in ("optimizer", "scheduler", "rng", "progress")}
+    keep = {k: v for k, v in last.items() if k not in ("optimizer", "scheduler", "rng", "progress", INTEGRITY)}
     keep["model"] = averaged
     keep["averaged_from"] = [str(p) for p in paths]
+    if len(runs) > 1:  # a model of its own
+        keep["run_id"] = new_run_id()
     return keep
 
 

@@ -61,9 +61,13 @@ def tag_ids(tokenizers: dict[str, Tokenizer], langs: list[str], where: str) -> d
 
 
 def tokenizer_tensors(tokenizers: dict[str, Tokenizer]) -> dict[str, torch.Tensor]:
-    """Language → the SentencePiece model's bytes; a joint model is stored once (shared tensor)."""
+    """Language → the SentencePiece model's bytes as loaded (not its file now); a joint model is stored once (shared
+    tensor)."""
     by_path: dict[str, torch.Tensor] = {}
-    return {lang: by_path.setdefault(str(tok.path), bytes_tensor(tok.path)) for lang, tok in tokenizers.items()}
+    for tok in tokenizers.values():
+        if str(tok.path) not in by_path:
+            by_path[str(tok.path)] = bytes_tensor(tok.model_proto)
+    return {lang: by_path[str(tok.path)] for lang, tok in tokenizers.items()}
 
 
 class MultilingualTrainer(Trainer):

@@ -34,9 +34,9 @@ from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
 from nmtflow.runtime import autocast, keep_freed_memory, use_precision
 from nmtflow.train import distributed
-from nmtflow.train.checkpoint import (FORMAT, load_checkpoint, lock_save_dir, periodic_checkpoints,
-                                      remove_interrupted_saves, save_atomic, unlock_save_dir,
-                                      write_text_atomic)
+from nmtflow.train.checkpoint import (FORMAT, integrity_code, load_checkpoint, lock_save_dir, new_run_id,
+                                      periodic_checkpoints, remove_interrupted_saves, save_atomic, unlock_save_dir,
+                                      write_failure, write_text_atomic)
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
@@ -123,8 +123,10 @@ class Trainer:
         self.progress = Progress()
         self.writer = None
         self._purge_step: int | None = None  # set on resume: TensorBoard drops later events
+        self.run_id = new_run_id()  # in every checkpoint of the run: `nmtflow average` keeps runs apart
         if self.resume_from is not None:
             ckpt = load_checkpoint(last, self.device)
+            self.run_id = str(ckpt.get("run_id") or self.run_id)  # a checkpoint of an older version has none
             missing = [key for key in ("optimizer", "scheduler", "rng", "progress") if key not in ckpt]
             if missing:  # e.g. `nmtflow average ... -o SAVE_DIR/checkpoint_last.pt`
                 raise ConfigError(f"{last}: holds a model but no training state ({', '.join(missing)}), like an "
@@ -217,9 +219,12 @@ class Trainer:
             "model": self.model.state_dict(),
             "vocab": {"src_size": self.vocabs.src_size, "tgt_size": self.vocabs.tgt_size, "joint": self.vocabs.joint},
             "langs": {"src": self.config.data.src_lang, "tgt": self.config.data.tgt_lang},
-            "tokenizers": {"src": bytes_tensor(self.src_tok.path), "tgt": bytes_tensor(self.tgt_tok.path)},
+            # the models as loaded when the run started, not the files now (a data dir prepared again meanwhile)
+            "tokenizers": {side: bytes_tensor(tok.model_proto) for side, tok in (("src", self.src_tok),
+                                                                                  ("tgt", self.tgt_tok))},
             "progress": vars(self.progress).copy(),
             "world_size": self.dist.world_size,  # the data shards depend on it: resuming needs the same number
+            "run_id": self.run_id,
         }
         if with_training_state:
             ckpt["optimizer"] = self.optimizer.state_dict()
@@ -306,22 +311,27 @@ class Trainer:
         if not self.dist.is_main:  # one writer; every rank resumes from the same files
             return
         ckpt = self.checkpoint()
+        code = integrity_code(ckpt)  # once for the two or three files
         tc = self.config.train
         if best:  # before checkpoint_last, whose progress already counts this model as the best
-            save_atomic(ckpt, self.save_dir / "checkpoint_best.pt")
+            save_atomic(ckpt, self.save_dir / "checkpoint_best.pt", code)
         if tc.save_every and self.progress.update % tc.save_every == 0:
-            save_atomic(ckpt, self.save_dir / f"checkpoint_{self.progress.update}.pt")
+            save_atomic(ckpt, self.save_dir / f"checkpoint_{self.progress.update}.pt", code)
             for old in periodic_checkpoints(self.save_dir)[:-tc.keep_checkpoints or None]:
                 old.unlink(missing_ok=True)
-        save_atomic(ckpt, self.save_dir / "checkpoint_last.pt")
+        save_atomic(ckpt, self.save_dir / "checkpoint_last.pt", code)
 
     # ---- logging ----------------------------------------------------------------------------------
     def record(self, kind: str, values: dict[str, float]) -> None:
         if not self.dist.is_main:
             return
         entry = {"kind": kind, "update": self.progress.update, **values}
-        with open(self.save_dir / "log.jsonl", "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry) + "\n")
+        path = self.save_dir / "log.jsonl"
+        try:
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(entry) + "\n")
+        except OSError as exc:  # a full disk: the log named (a failed write's error names no file)
+            raise write_failure(path, "the log", exc) from None
         if self.writer is None:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -121,18 +121,24 @@ def test_same_model_ignores_file_names_only(tok, tmp_path):
     assert not same_model(proto.SerializeToString(), data)
 
 
-def test_a_checkpoints_tokenizer_ignores_a_stale_file_under_its_shared_name(tok: Tokenizer, tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before: a file of the same size at the shared temporary name was taken for the model without a look."""
-    import hashlib
+def test_a_checkpoints_tokenizer_is_loaded_from_its_bytes(tok: Tokenizer, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: it was written to a shared temporary file (a stale file under that name was a hazard) and a corrupt
+    one was reported under that file's name, not the checkpoint's."""
     import tempfile
 
+    from nmtflow.data.corpus import CorpusError
     from nmtflow.decode.translate import tokenizer_from_bytes
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     data = Path(tok.path).read_bytes()
-    shared = tmp_path / f"nmtflow-spm-{hashlib.sha1(data).hexdigest()[:16]}.model"
-    shared.write_bytes(b"\0" * len(data))  # same size, other content
-    loaded = tokenizer_from_bytes(data)
-    assert Path(loaded.path).read_bytes() == data and loaded.encode("hello world") == tok.encode("hello world")
-    assert tokenizer_from_bytes(data).path == loaded.path  # cached from then on
+    loaded = tokenizer_from_bytes(data, "run/checkpoint_best.pt", "src")
+    assert loaded.encode("hello world") == tok.encode("hello world") and loaded.model_proto == data
+    assert loaded.path is None and not list(tmp_path.iterdir())  # no file written
+    again = pickle.loads(pickle.dumps(loaded))  # data-loader workers: the bytes travel, no file is read
+    assert again.encode("hello world") == tok.encode("hello world") and again.name == "run/checkpoint_best.pt"
+    with pytest.raises(CorpusError) as caught:
+        tokenizer_from_bytes(data[: len(data) // 2], "run/checkpoint_best.pt", "tgt")
+    assert str(caught.value) == ("run/checkpoint_best.pt: cannot load its tgt SentencePiece model (not a "
+                                 "SentencePiece model, or a corrupted one)")
+    assert not list(tmp_path.iterdir())

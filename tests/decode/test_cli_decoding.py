@@ -282,10 +282,10 @@ def test_truncation_warnings_name_the_line_of_the_whole_input(ckpt: str, tmp_pat
 def test_contrastive_errors_name_the_file_line_and_field(ckpt: str, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     cands = tmp_path / "c.tsv"
-    cands.write_text(f"alpha\talpha\tbravo\tcharlie\n\ndelta\tdelta\techo\nalpha\talpha\t{'bravo ' * 100}\n",
-                     encoding="utf-8")  # line 4, field 3: too long to score
+    cands.write_text(f"alpha\talpha\tbravo\tcharlie\ndelta\tdelta\techo\nalpha\talpha\t{'bravo ' * 100}\n",
+                     encoding="utf-8")  # line 3, field 3: too long to score
     code, _, err = run(["score", ckpt, "--candidates", str(cands)], capsys)
-    assert code == 2 and f"{cands}:4: field 3 (an incorrect translation) has" in err and "never truncated" in err
+    assert code == 2 and f"{cands}:3: field 3 (an incorrect translation) has" in err and "never truncated" in err
     cands.write_text(f"alpha\talpha\tbravo\n{LONG}\talpha\tbravo\n", encoding="utf-8")
     code, _, err = run(["score", ckpt, "--candidates", str(cands)], capsys)
     assert code == 2 and f"{cands}:2: field 1 (the source) has" in err

@@ -118,7 +118,7 @@ def test_a_candidate_that_tokenises_as_the_correct_one_is_a_tie(tmp_path: Path) 
 def test_a_nan_score_in_contrastive_scoring_is_an_error_naming_the_line(tmp_path: Path) -> None:
     """Before: NaN compared false, so a diverged model's lines silently counted as wrong."""
     cands = tmp_path / "c.tsv"
-    cands.write_text("a\tx\ty\n\na\tx\tboom\n", encoding="utf-8")
+    cands.write_text("a\tx\ty\nb\tx\ty\na\tx\tboom\n", encoding="utf-8")  # (a blank line is an error)
     message = f"{cands}:3: field 3 (an incorrect translation): the model's score is NaN"
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         contrastive_accuracy(NoisyScorer(nan_at="boom"), cands)
