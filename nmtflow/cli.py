@@ -105,7 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 @command
 def cmd_average(args: argparse.Namespace) -> None:
-    from nmtflow.train.checkpoint import average_checkpoints, periodic_checkpoints, save_atomic
+    from nmtflow.checkpoint import average_checkpoints, periodic_checkpoints, save_atomic
 
     paths = [Path(p) for p in args.checkpoints]
     if args.last is not None and args.last < 1:
@@ -235,8 +235,8 @@ def _refuse(args: argparse.Namespace, options: Iterable[str], why: str) -> None:
 
 @command
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from nmtflow.config import BLEU_TOKENIZER
-    from nmtflow.evaluate.metrics import DEFAULT_METRICS, check_metrics, check_tokenizer, corpus_scores
+    from nmtflow.config import BLEU_TOKENIZER, check_tokenizer
+    from nmtflow.evaluate.metrics import DEFAULT_METRICS, check_metrics, corpus_scores
 
     if args.perplexity:
         _refuse(args, ("hyp", "src", "ref", "output", "metrics", "tokenize", "lowercase", *SEARCH_OPTIONS),
@@ -422,9 +422,9 @@ def _embedder(args: argparse.Namespace):
     """(sentences, language) → embeddings of a checkpoint (SPEC §5): a multilingual one in any of its languages, a
     bilingual one in its source language (a bilingual bridge's M, or another encoder's mean states)."""
     from nmtflow.analysis.embeddings import sentence_embeddings
+    from nmtflow.checkpoint import load_checkpoint
     from nmtflow.decode.multilingual import MultilingualCheckpoint, is_multilingual, load_multilingual
     from nmtflow.decode.translate import Translator
-    from nmtflow.train.checkpoint import load_checkpoint
     from nmtflow.train.trainer import resolve_device
 
     saved = load_checkpoint(args.checkpoint)
@@ -722,8 +722,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from nmtflow.checkpoint import CheckpointError
     from nmtflow.config import ConfigError
-    from nmtflow.train.checkpoint import CheckpointError
 
     expected: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, ValueError, OSError, KeyError)
     from nmtflow.runtime import keep_freed_memory

@@ -21,9 +21,14 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import yaml
+
+from nmtflow.registry import MODELS
+
+if typing.TYPE_CHECKING:
+    import sacrebleu
 
 
 class _Loader(yaml.SafeLoader):
@@ -88,6 +93,32 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class ModelConfig:
+    """Base of all model configs; ``name`` selects the registered model (and its config class)."""
+
+    name: str = "transformer"
+    preset: str | None = None
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    @classmethod
+    def resolve(cls, data: dict[str, Any], where: str) -> tuple[type, dict[str, Any]]:
+        """Pick the registered config class by ``name`` and fill in its ``preset`` values."""
+        name = data.get("name", "transformer")
+        try:
+            config_cls = MODELS.get(name).config_cls
+        except KeyError as exc:
+            raise ConfigError(f"{where}.name: {exc.args[0]}") from None
+        preset = data.get("preset")
+        if preset is not None:
+            if not isinstance(preset, str) or preset not in config_cls.PRESETS:
+                raise ConfigError(f"{where}.preset: unknown preset {preset!r} for {name} "
+                                  f"(known: {', '.join(config_cls.PRESETS) or 'none'})")
+            data = {**config_cls.PRESETS[preset], **data}
+        return config_cls, data
+
+
+@dataclass
 class MultilingualConfig:
     """Multilingual training over a multi-way prepared directory (SPEC §5; nmtflow/train/multilingual.py).
 
@@ -136,12 +167,37 @@ class DataConfig:
 BLEU_TOKENIZER = "13a"  # sacreBLEU's default BLEU tokenizer, used unless a config names another
 
 
+def bleu_tokenizers() -> tuple[str, ...]:
+    """sacreBLEU's BLEU tokenizers: 13a, intl, zh, ja-mecab, char, ... (imports sacreBLEU)."""
+    import sacrebleu
+
+    return tuple(sacrebleu.metrics.BLEU.TOKENIZERS)
+
+
+def bleu_metric(tokenize: str, lowercase: bool = False) -> sacrebleu.metrics.BLEU:
+    """sacreBLEU's BLEU, or a one-line error when its tokenizer cannot be set up here (ja-mecab without its
+    package, flores200 without the network)."""
+    import sacrebleu
+
+    try:
+        return sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=lowercase)
+    except Exception as exc:  # noqa: BLE001 - sacreBLEU raises anything from ImportError to HTTP errors
+        raise ValueError(f"BLEU tokenizer {tokenize!r}: sacreBLEU cannot set it up here ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())})") from None
+
+
+def check_tokenizer(tokenize: str) -> None:
+    """A ValueError now, before anything is translated, for a BLEU tokenizer sacreBLEU lacks or cannot set up."""
+    tokenizers = bleu_tokenizers()
+    if tokenize not in tokenizers:
+        raise ValueError(f"unknown BLEU tokenizer {tokenize!r} (sacreBLEU's: {', '.join(tokenizers)})")
+    bleu_metric(tokenize)
+
+
 def check_bleu_tokenizer(name: str, where: str) -> None:
     """A ConfigError at ``where`` for a BLEU tokenizer sacreBLEU lacks or cannot set up here (sacreBLEU is imported
     only for a tokenizer other than the default)."""
     if name != BLEU_TOKENIZER:
-        from nmtflow.evaluate.metrics import check_tokenizer
-
         try:
             check_tokenizer(name)
         except ValueError as exc:
@@ -510,8 +566,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw = read_yaml(path, origins=origins) if path is not None else dict(data or {})
     raw = apply_overrides(raw, overrides or [], origins)
     where = str(path) if path is not None else "config"
-    from nmtflow.models.base import ModelConfig  # resolves the registered model config class
-
     raw.setdefault("model", {"name": "transformer"})
     hints = dict(zip(SECTIONS, (ModelConfig, DataConfig, TrainConfig, DecodeConfig)))
     unknown = [k for k in raw if k not in hints]

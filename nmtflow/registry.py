@@ -91,6 +91,15 @@ def register_attention(name: str, options_cls: type) -> Callable[[type[T]], type
 
 
 _BUILTINS_LOADED = False
+_import_builtins: Callable[[], None] | None = None  # set by the package (nmtflow/__init__.py): see set_builtins
+
+
+def set_builtins(import_builtins: Callable[[], None]) -> None:
+    """``import_builtins`` imports the modules that register nmtflow's own models and attentions; the first lookup
+    calls it. The package installs it (nmtflow/__init__.py): the registry sits below those modules, which import
+    it, so it imports none of them itself."""
+    global _import_builtins
+    _import_builtins = import_builtins
 
 
 def _load_builtins() -> None:
@@ -99,5 +108,5 @@ def _load_builtins() -> None:
     if _BUILTINS_LOADED:
         return
     _BUILTINS_LOADED = True
-    import nmtflow.models  # noqa: F401  (registers on import)
-    import nmtflow.nn  # noqa: F401
+    if _import_builtins is not None:
+        _import_builtins()

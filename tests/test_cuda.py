@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
+from nmtflow.checkpoint import load_checkpoint
 from nmtflow.config import load_config
 from nmtflow.decode.search import beam_search
 from nmtflow.decode.translate import Translator
 from nmtflow.models.base import Vocabularies, build_model
 from nmtflow.models.multilingual import LanguageVocabularies
 from nmtflow.nn.shortcuts import FusedGate, PairGate
-from nmtflow.train.checkpoint import load_checkpoint
 from nmtflow.train.trainer import Trainer, read_log
 
 from tests.conftest import copy_sentences, padded_batch, tiny_config

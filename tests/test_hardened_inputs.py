@@ -14,9 +14,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nmtflow.checkpoint import FORMAT, load_checkpoint, save_atomic
 from nmtflow.cli import main
 from nmtflow.config import to_dict
-from nmtflow.train.checkpoint import FORMAT, load_checkpoint, save_atomic
 
 from tests.conftest import copy_sentences, tiny_config, write_split
 

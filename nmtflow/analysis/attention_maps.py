@@ -35,9 +35,8 @@ from nmtflow.data.bitext import Bitext
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.data.vocab import PAD
 from nmtflow.decode.multilingual import open_translator
-from nmtflow.decode.translate import position_limits
 from nmtflow.evaluate.perplexity import check_positions, open_checkpoint_data
-from nmtflow.models.base import EncoderDecoder, device_of
+from nmtflow.models.base import EncoderDecoder, device_of, position_limits
 from nmtflow.nn.attention import AttentionContext, MultiHeadAttention
 from nmtflow.nn.phrasal import PhrasalAttention, split_phrasal_weights
 

@@ -39,6 +39,7 @@ from torch import Tensor
 from nmtflow.analysis import plots
 from nmtflow.analysis.report import write_report
 from nmtflow.analysis.states import check_limits, default_labels
+from nmtflow.checkpoint import load_checkpoint
 from nmtflow.data.batching import collate
 from nmtflow.data.corpus import CorpusError, read_lines
 from nmtflow.data.multilingual import Direction
@@ -48,7 +49,6 @@ from nmtflow.decode.translate import Translator, batches_by_length
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder
 from nmtflow.nn.bridge import AttentionBridge
-from nmtflow.train.checkpoint import load_checkpoint
 
 DEFAULT_BUCKETS = ("1-10", "11-15", "16-20", "21-25", "26+")
 

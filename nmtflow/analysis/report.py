@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from nmtflow.checkpoint import write_failure
 from nmtflow.evaluate.metrics import json_safe
-from nmtflow.train.checkpoint import write_failure
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> None:

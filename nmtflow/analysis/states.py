@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from nmtflow.checkpoint import load_checkpoint
 from nmtflow.data.bitext import Bitext, open_bitext, tokenizer_path
 from nmtflow.data.prepare import load_meta
 from nmtflow.data.vocab import PAD
@@ -24,7 +25,6 @@ from nmtflow.decode.translate import Translator, batches_by_length
 from nmtflow.evaluate.perplexity import check_positions
 from nmtflow.models.base import EncoderDecoder
 from nmtflow.nn.shortcuts import ShortcutAttention
-from nmtflow.train.checkpoint import load_checkpoint
 
 
 @dataclass

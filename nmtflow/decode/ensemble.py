@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmtflow.checkpoint import CheckpointError
 from nmtflow.data.tokenizer import same_model
 from nmtflow.data.vocab import PAD
 from nmtflow.decode.multilingual import open_translator
 from nmtflow.decode.translate import Translator
 from nmtflow.models.base import EncoderDecoder, EncoderOut, State
-from nmtflow.train.checkpoint import CheckpointError
 
 
 @dataclass

@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
+from nmtflow.checkpoint import CheckpointError, load_checkpoint, model_mismatch
 from nmtflow.config import Config, DecodeConfig, config_from_dict
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.data.vocab import lang_tag
-from nmtflow.decode.translate import Translator, position_limits, tokenizer_from_bytes
-from nmtflow.models.base import build_model
+from nmtflow.decode.translate import Translator, tokenizer_from_bytes
+from nmtflow.models.base import build_model, position_limits
 from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
-from nmtflow.train.checkpoint import CheckpointError, load_checkpoint, model_mismatch
 
 
 @dataclass

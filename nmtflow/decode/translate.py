@@ -15,13 +15,13 @@ from typing import Any, Callable, Iterable, Iterator, TextIO
 
 import torch
 
+from nmtflow.checkpoint import CheckpointError, load_checkpoint, model_mismatch, write_failure
 from nmtflow.config import Config, DecodeConfig, config_from_dict
 from nmtflow.data.batching import collate
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.search import Hypothesis, beam_search, greedy_search, sequence_logprobs
-from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model
+from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, position_limits
 from nmtflow.runtime import new_file_mode
-from nmtflow.train.checkpoint import CheckpointError, load_checkpoint, model_mismatch, write_failure
 
 log = logging.getLogger(__name__)
 
@@ -110,25 +110,6 @@ def batches_by_length(lengths: list[int], max_tokens: int) -> Iterator[list[int]
         batch.append(i)
     if batch:
         yield batch
-
-
-def position_limits(cfg: Any) -> tuple[int | None, int | None]:
-    """Positions a source and a target (EOS and any tag included) may take in a model of config ``cfg``; None
-    where positions do not bound that side (LSTMs: ``POSITIONS_BOUND_LENGTH = False``)."""
-    members = getattr(cfg, "members", None)
-    if isinstance(members, list):  # an ensemble (nmtflow.decode.ensemble): the tightest bound on each side
-        limits = [position_limits(member) for member in members]
-        return tuple(min((lim[side] for lim in limits if lim[side] is not None), default=None)  # type: ignore[return-value]
-                     for side in (0, 1))
-    sides = (getattr(cfg, "encoder", None), getattr(cfg, "decoder", None))
-    if all(isinstance(side, str) for side in sides):  # the bridge: a stack per side, rnn or transformer
-        limit = int(cfg.max_positions)
-        return tuple(limit if side == "transformer" else None for side in sides)  # type: ignore[return-value]
-    cfg = getattr(cfg, "backbone", cfg)  # a language-label model: its backbone's
-    limit = getattr(cfg, "max_positions", None)
-    if not isinstance(limit, int) or not getattr(cfg, "POSITIONS_BOUND_LENGTH", True):
-        return None, None
-    return limit, limit
 
 
 def source_positions(model: EncoderDecoder) -> int | None:

@@ -135,7 +135,7 @@ def is_trained(job: dict[str, Any], trained: dict[str, Any] | None) -> bool:
 
 def checkpoint_to_decode(run_dir: Path, choice: str, average_last: int | None) -> tuple[Path, list[str]]:
     """(checkpoint file, the periodic checkpoints averaged into it) for ``best``, ``last`` or ``averaged``."""
-    from nmtflow.train.checkpoint import average_checkpoints, periodic_checkpoints, save_atomic
+    from nmtflow.checkpoint import average_checkpoints, periodic_checkpoints, save_atomic
 
     last, best = run_dir / "checkpoint_last.pt", run_dir / "checkpoint_best.pt"
     if choice == "averaged":

@@ -8,7 +8,7 @@ from typing import Any
 
 import sacrebleu
 
-from nmtflow.config import BLEU_TOKENIZER
+from nmtflow.config import BLEU_TOKENIZER, bleu_metric, bleu_tokenizers
 
 
 @dataclass
@@ -21,26 +21,9 @@ class Score:
         return f"{self.name} = {self.score:.2f}  ({self.signature})"
 
 
-BLEU_TOKENIZERS: tuple[str, ...] = tuple(sacrebleu.metrics.BLEU.TOKENIZERS)  # 13a, intl, zh, ja-mecab, char, ...
+BLEU_TOKENIZERS: tuple[str, ...] = bleu_tokenizers()  # 13a, intl, zh, ja-mecab, char, ...
 METRICS = ("bleu", "chrf", "chrf++", "ter")
 DEFAULT_METRICS = ("bleu", "chrf")
-
-
-def _bleu_metric(tokenize: str, lowercase: bool = False) -> sacrebleu.metrics.BLEU:
-    """sacreBLEU's BLEU, or a one-line error when its tokenizer cannot be set up here (ja-mecab without its
-    package, flores200 without the network)."""
-    try:
-        return sacrebleu.metrics.BLEU(tokenize=tokenize, lowercase=lowercase)
-    except Exception as exc:  # noqa: BLE001 - sacreBLEU raises anything from ImportError to HTTP errors
-        raise ValueError(f"BLEU tokenizer {tokenize!r}: sacreBLEU cannot set it up here ({type(exc).__name__}: "
-                         f"{' '.join(str(exc).split())})") from None
-
-
-def check_tokenizer(tokenize: str) -> None:
-    """A ValueError now, before anything is translated, for a BLEU tokenizer sacreBLEU lacks or cannot set up."""
-    if tokenize not in BLEU_TOKENIZERS:
-        raise ValueError(f"unknown BLEU tokenizer {tokenize!r} (sacreBLEU's: {', '.join(BLEU_TOKENIZERS)})")
-    _bleu_metric(tokenize)
 
 
 def check_metrics(metrics: Sequence[str]) -> None:
@@ -53,7 +36,7 @@ def check_metrics(metrics: Sequence[str]) -> None:
 def bleu(hypotheses: list[str], *references: list[str], tokenize: str = BLEU_TOKENIZER,
          lowercase: bool = False) -> Score:
     """Detokenised corpus BLEU against one or more reference streams (cased, 13a tokenisation by default)."""
-    metric = _bleu_metric(tokenize, lowercase)
+    metric = bleu_metric(tokenize, lowercase)
     result = metric.corpus_score(hypotheses, list(references))
     return Score("BLEU", result.score, str(metric.get_signature()))
 

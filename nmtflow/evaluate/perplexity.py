@@ -15,9 +15,9 @@ from nmtflow.data.batching import TokenBatchSampler
 from nmtflow.data.bitext import Bitext, check_sentence_lengths, open_bitext
 from nmtflow.data.prepare import load_meta
 from nmtflow.data.tokenizer import same_model
-from nmtflow.decode.translate import Translator, position_limits
+from nmtflow.decode.translate import Translator
 from nmtflow.evaluate.metrics import perplexity
-from nmtflow.models.base import EncoderDecoder, device_of
+from nmtflow.models.base import EncoderDecoder, device_of, position_limits
 from nmtflow.train.loss import label_smoothed_nll
 
 

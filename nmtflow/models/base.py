@@ -8,43 +8,17 @@ once for every architecture.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from nmtflow.config import ConfigError
+from nmtflow.config import ModelConfig  # typed with the other config sections; model configs subclass it
 from nmtflow.nn.attention import ROWS
 from nmtflow.registry import MODELS
 
 EncoderOut = dict[str, Tensor]
 State = dict[str, Tensor]
-
-
-@dataclass
-class ModelConfig:
-    """Base of all model configs; ``name`` selects the registered model (and its config class)."""
-
-    name: str = "transformer"
-    preset: str | None = None
-
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {}
-
-    @classmethod
-    def resolve(cls, data: dict[str, Any], where: str) -> tuple[type, dict[str, Any]]:
-        """Pick the registered config class by ``name`` and fill in its ``preset`` values."""
-        name = data.get("name", "transformer")
-        try:
-            config_cls = MODELS.get(name).config_cls
-        except KeyError as exc:
-            raise ConfigError(f"{where}.name: {exc.args[0]}") from None
-        preset = data.get("preset")
-        if preset is not None:
-            if not isinstance(preset, str) or preset not in config_cls.PRESETS:
-                raise ConfigError(f"{where}.preset: unknown preset {preset!r} for {name} "
-                                  f"(known: {', '.join(config_cls.PRESETS) or 'none'})")
-            data = {**config_cls.PRESETS[preset], **data}
-        return config_cls, data
 
 
 @dataclass(frozen=True)
@@ -99,6 +73,25 @@ def build_model(config: ModelConfig, vocabs: Vocabularies) -> EncoderDecoder:
     """Instantiate the registered model named by ``config.name``."""
     model_cls = MODELS.get(config.name).cls
     return model_cls.build(config, vocabs)
+
+
+def position_limits(cfg: Any) -> tuple[int | None, int | None]:
+    """Positions a source and a target (EOS and any tag included) may take in a model of config ``cfg``; None
+    where positions do not bound that side (LSTMs: ``POSITIONS_BOUND_LENGTH = False``)."""
+    members = getattr(cfg, "members", None)
+    if isinstance(members, list):  # an ensemble (nmtflow.decode.ensemble): the tightest bound on each side
+        limits = [position_limits(member) for member in members]
+        return tuple(min((lim[side] for lim in limits if lim[side] is not None), default=None)  # type: ignore[return-value]
+                     for side in (0, 1))
+    sides = (getattr(cfg, "encoder", None), getattr(cfg, "decoder", None))
+    if all(isinstance(side, str) for side in sides):  # the bridge: a stack per side, rnn or transformer
+        limit = int(cfg.max_positions)
+        return tuple(limit if side == "transformer" else None for side in sides)  # type: ignore[return-value]
+    cfg = getattr(cfg, "backbone", cfg)  # a language-label model: its backbone's
+    limit = getattr(cfg, "max_positions", None)
+    if not isinstance(limit, int) or not getattr(cfg, "POSITIONS_BOUND_LENGTH", True):
+        return None, None
+    return limit, limit
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nmtflow.checkpoint import load_checkpoint
 from nmtflow.config import ConfigError, to_dict
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import check_sentence_lengths, tokenizer_path
@@ -35,13 +36,12 @@ from nmtflow.data.multilingual import (Direction, LanguageRotatingSampler, Multi
 from nmtflow.data.prepare import load_meta
 from nmtflow.data.tokenizer import Tokenizer, same_model
 from nmtflow.data.vocab import lang_tag
-from nmtflow.decode.translate import Translator, bytes_tensor, position_limits
+from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
-from nmtflow.models.base import EncoderDecoder
+from nmtflow.models.base import EncoderDecoder, position_limits
 from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
 from nmtflow.registry import MODELS
 from nmtflow.train import distributed
-from nmtflow.train.checkpoint import load_checkpoint
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.trainer import Trainer
 

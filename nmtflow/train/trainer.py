@@ -24,19 +24,19 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from nmtflow.checkpoint import (FORMAT, integrity_code, load_checkpoint, lock_save_dir, new_run_id,
+                                periodic_checkpoints, remove_interrupted_saves, save_atomic, unlock_save_dir,
+                                write_failure, write_text_atomic)
 from nmtflow.config import CUDA_ONLY_PRECISIONS, Config, ConfigError, to_dict, yaml_dump
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import check_sentence_lengths, open_bitext, tokenizer_path
 from nmtflow.data.prepare import load_meta
 from nmtflow.data.tokenizer import Tokenizer, same_model
-from nmtflow.decode.translate import Translator, bytes_tensor, position_limits
+from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
-from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
+from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters, position_limits
 from nmtflow.runtime import autocast, keep_freed_memory, use_precision
 from nmtflow.train import distributed
-from nmtflow.train.checkpoint import (FORMAT, integrity_code, load_checkpoint, lock_save_dir, new_run_id,
-                                      periodic_checkpoints, remove_interrupted_saves, save_atomic, unlock_save_dir,
-                                      write_failure, write_text_atomic)
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
@@ -644,7 +644,7 @@ def read_log(save_dir: str | Path) -> list[dict[str, Any]]:
 def trim_log(path: Path, update: int) -> None:
     """Keep the lines of ``path`` up to ``update`` (those after it come from the run's interrupted tail).
 
-    The rewrite is atomic (:func:`~nmtflow.train.checkpoint.write_text_atomic`): a crash or a full disk during it
+    The rewrite is atomic (:func:`~nmtflow.checkpoint.write_text_atomic`): a crash or a full disk during it
     leaves the old log whole.
     """
     if path.is_file():

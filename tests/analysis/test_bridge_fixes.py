@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from nmtflow.checkpoint import load_checkpoint
 from nmtflow.cli import main
 from nmtflow.config import ConfigError, MultilingualConfig, load_config
 from nmtflow.data.multilingual import plan_directions
-from nmtflow.train.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"hidden_dim": 16, "encoder_layers": 1, "decoder_layers": 1, "dropout": 0.0, "input_feeding": False}

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nmtflow.checkpoint import CheckpointError
 from nmtflow.config import DecodeConfig, load_config
 from nmtflow.data.bitext import open_bitext
 from nmtflow.data.prepare import load_meta
@@ -25,7 +26,6 @@ from nmtflow.decode.search import beam_search, greedy_search, length_penalty
 from nmtflow.decode.translate import Translator
 from nmtflow.evaluate.perplexity import corpus_perplexity
 from nmtflow.models.base import Vocabularies, build_model
-from nmtflow.train.checkpoint import CheckpointError
 
 from tests.conftest import padded_batch, tiny_config
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 from sentencepiece import sentencepiece_model_pb2
 
+from nmtflow.checkpoint import load_checkpoint, save_atomic
 from nmtflow.cli import main
 from nmtflow.config import load_config, to_dict
 from nmtflow.data.vocab import BOS, EOS, PAD
 from nmtflow.decode.ensemble import Ensemble
 from nmtflow.decode.search import beam_search, greedy_search, sequence_logprobs
 from nmtflow.models.base import Vocabularies, build_model
-from nmtflow.train.checkpoint import load_checkpoint, save_atomic
 from nmtflow.train.trainer import Trainer
 
 from tests.conftest import copy_sentences, padded_batch, tiny_config

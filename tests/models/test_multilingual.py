@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from nmtflow.checkpoint import load_checkpoint
 from nmtflow.cli import main
 from nmtflow.config import ConfigError, MultilingualConfig, load_config
 from nmtflow.data.batching import TokenBatchSampler
@@ -17,7 +18,6 @@ from nmtflow.data.multilingual import Direction, LanguageRotatingSampler, plan_d
 from nmtflow.data.vocab import BOS, PAD
 from nmtflow.models.base import Vocabularies, build_model
 from nmtflow.models.multilingual import LanguageVocabularies
-from nmtflow.train.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 V = 40

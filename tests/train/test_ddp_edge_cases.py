@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from nmtflow.train.checkpoint import load_checkpoint
+from nmtflow.checkpoint import load_checkpoint
 from nmtflow.train.trainer import read_log
 
 from tests.train.test_distributed import free_port, small_config, write_config

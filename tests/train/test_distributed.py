@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
+from nmtflow.checkpoint import load_checkpoint
 from nmtflow.config import ConfigError, load_config, to_dict
-from nmtflow.train.checkpoint import load_checkpoint
 from nmtflow.train.distributed import DistInfo, all_reduce, env_info
 from nmtflow.train.trainer import Trainer, read_log
 

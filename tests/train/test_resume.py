@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from nmtflow import checkpoint as checkpoint_module
+from nmtflow.checkpoint import CheckpointError, FORMAT, average_checkpoints, load_checkpoint, save_atomic
 from nmtflow.cli import main
 from nmtflow.config import ConfigError, TrainConfig
-from nmtflow.train import checkpoint as checkpoint_module
-from nmtflow.train.checkpoint import CheckpointError, FORMAT, average_checkpoints, load_checkpoint, save_atomic
 from nmtflow.train.optim import build_optimizer, build_scheduler
 from nmtflow.train.trainer import Trainer, changed_settings, read_log
 

@@ -16,12 +16,12 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from nmtflow.checkpoint import FORMAT, load_checkpoint, save_atomic
 from nmtflow.config import ConfigError, load_config, to_dict
 from nmtflow.data.corpus import CorpusError, iter_parallel
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.translate import Translator
 from nmtflow.train import trainer as trainer_module
-from nmtflow.train.checkpoint import FORMAT, load_checkpoint, save_atomic
 from nmtflow.train.trainer import Trainer, read_log
 
 from tests.conftest import WORDS, tiny_config
@@ -78,7 +78,7 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path
     save_atomic({"format": FORMAT, "step": 0, "w": torch.zeros(3)}, path)
     script = textwrap.dedent(f"""
         import torch
-        from nmtflow.train.checkpoint import FORMAT, save_atomic
+        from nmtflow.checkpoint import FORMAT, save_atomic
         big = {{"format": FORMAT, "w": torch.randn(8_000_000)}}
         for step in range(1, 1000):
             big["step"] = step

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from nmtflow.checkpoint import FORMAT, CheckpointError, average_checkpoints, load_checkpoint, save_atomic
 from nmtflow.cli import main
 from nmtflow.config import ConfigError, load_config, to_dict, yaml_dump, yaml_load
-from nmtflow.train.checkpoint import FORMAT, CheckpointError, average_checkpoints, load_checkpoint, save_atomic
 from nmtflow.train.trainer import resolve_device
 
 TINY = "model: {name: transformer, d_model: 32, ffn_dim: 64, heads: 2, encoder_layers: 1, decoder_layers: 1}\n"
@@ -323,7 +323,7 @@ def test_a_full_disk_at_start_leaves_the_runs_config_yaml_whole(copy_data: Path,
     import subprocess
     import sys
 
-    from nmtflow.train.checkpoint import remove_interrupted_saves
+    from nmtflow.checkpoint import remove_interrupted_saves
 
     run, config = tmp_path / "run", run_config(tmp_path, copy_data)
     threads = torch.get_num_threads()

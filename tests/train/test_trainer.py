@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from nmtflow.checkpoint import CheckpointError, average_checkpoints, load_checkpoint, save_atomic
 from nmtflow.decode.translate import Translator
 from nmtflow.evaluate.metrics import bleu
-from nmtflow.train.checkpoint import CheckpointError, average_checkpoints, load_checkpoint, save_atomic
 from nmtflow.train.trainer import Trainer, read_log
 
 from tests.conftest import copy_sentences, tiny_config
