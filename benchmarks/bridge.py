@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -29,6 +27,7 @@ from nmtflow.data.batching import Batch
 from nmtflow.data.prepare import load_meta, prepare
 from nmtflow.data.synthetic import generate_corpus
 from nmtflow.models.base import count_parameters
+from nmtflow.runtime import machine_info
 from nmtflow.train.multilingual import MultilingualTrainer
 from throughput import device_option, prepare_once  # the sibling benchmark's helpers
 
@@ -118,8 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in results.values():
         r["train_tgt_tokens_per_s"] = r["tokens"] / max(r["seconds"], 1e-9)
     report = {
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
-                    "python": platform.python_version(), "device": args.device},
+        "machine": machine_info(args.device, threads=args.threads),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "directions": directions,
         "vocab_size": load_meta(data)["vocab_size"],

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from throughput import (Optimiser, add_common_args, default_work, peak_rss_mb, p
 
 from nmtflow.config import load_config, read_yaml  # noqa: E402
 from nmtflow.models.base import Vocabularies, build_model, count_parameters  # noqa: E402
+from nmtflow.runtime import machine_info  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = {  # --tiny: a smoke test of this script, not a benchmark
@@ -88,8 +87,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 4. report
     result: dict[str, Any] = {
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": str(device), "python": platform.python_version(), "arch": platform.machine()},
+        "machine": machine_info(device, threads=torch.get_num_threads()),
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "densenmt_config": args.densenmt_config.name, "convs2s_config": args.convs2s_config.name,
                    "transformer_layers": args.transformer_layers, "tiny": args.tiny, "max_tokens": args.max_tokens,

@@ -22,7 +22,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -170,9 +169,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "train_tgt_tokens_per_s": statistics.median(speeds), "per_round_tgt_tokens_per_s": speeds,
                         "tgt_tokens_per_round": rs[-1]["tgt_tokens"], "last_loss": rs[-1]["last_loss"]}
     base = runs[str(procs[0])]["train_tgt_tokens_per_s"]
+    from nmtflow.runtime import machine_info
     report = {
-        "machine": {"cpus": os.cpu_count(), "gpus": gpus, "torch": torch.__version__,
-                    "python": platform.python_version(), "device": args.device},
+        "machine": machine_info(args.device, gpus=gpus),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "runs": runs,
         "skipped": {str(n): why for n, why in skipped.items()},

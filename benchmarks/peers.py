@@ -35,6 +35,7 @@ from nmtflow.data.bitext import open_bitext
 from nmtflow.data.prepare import load_meta, load_tokenizer, prepare
 from nmtflow.decode.search import max_output_lengths
 from nmtflow.decode.translate import batches_by_length
+from nmtflow.runtime import machine_info
 from throughput import default_work, prepare_once  # the sibling benchmark's data cache
 
 HERE = Path(__file__).resolve().parent
@@ -446,8 +447,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                  "met": ratio >= TARGETS[what],
                                  "all_peers_measured": len(peers) == len(PEERS)}
     result = {
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": args.threads,
-                    "python": platform.python_version(), "arch": platform.machine()},
+        "machine": machine_info("cpu", threads=args.threads),
         "config": {"data": args.data.name if args.data else "synthetic", "src": args.src, "tgt": args.tgt,
                    "quick": args.quick, "vocab_size": data["vocab_size"], "vocab_size_requested": args.vocab_size,
                    "layers": args.layers, "d_model": spec["d_model"], "heads": spec["heads"],

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ from nmtflow.data.bitext import open_bitext
 from nmtflow.decode.search import max_output_lengths
 from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
+from nmtflow.runtime import machine_info
 from nmtflow.train.loss import label_smoothed_nll
 from throughput import (  # the sibling benchmark's step, search and RSS
     Optimiser, add_common_args, decode_batch, default_work, peak_rss_mb, prepared_data, steady_heap,
@@ -152,8 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 5. report
     base = "baseline"
     result: dict[str, Any] = {
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": str(device), "python": platform.python_version(), "arch": platform.machine()},
+        "machine": machine_info(device, threads=torch.get_num_threads()),
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "preset": args.preset, "layers": args.layers, "max_tokens": args.max_tokens,
                    "precision": args.precision,

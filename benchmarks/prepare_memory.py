@@ -211,9 +211,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     first, last = results[0], results[-1]
     import torch
 
+    from nmtflow.runtime import machine_info
     report = {
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "platform": platform.platform(), "threads": args.threads},
+        "machine": machine_info(platform=platform.platform(), threads=args.threads),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                    if k not in ("child", "train_prefix", "valid_prefix", "prepared", "save_dir")},
         "base": "synthetic" if args.data is None else str(args.data),

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ import torch
 from nmtflow.config import load_config
 from nmtflow.models.base import Vocabularies, build_model, count_parameters
 from nmtflow.nn import shortcuts as shortcut_module
+from nmtflow.runtime import machine_info
 from throughput import (  # the sibling benchmark's training step (same batches, same step)
     Optimiser, add_common_args, default_work, matmul_profile, median_step_ratio, peak_rss_mb, prepared_data,
     slowdown_interval, timed_training, training_batches)
@@ -105,8 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 4. report
     base_speed = tokens / seconds["baseline"]
     result: dict[str, Any] = {
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": str(device), "python": platform.python_version(), "arch": platform.machine()},
+        "machine": machine_info(device, threads=torch.get_num_threads()),
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "preset": args.preset, "layers": args.layers, "max_tokens": args.max_tokens,
                    "precision": args.precision, "elementwise_gate": args.elementwise_gate,

@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import random
 import resource
 import statistics
@@ -39,7 +37,7 @@ from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies, build_model, \
     count_parameters
 from nmtflow.nn.layers import SinusoidalPositions
-from nmtflow.runtime import autocast, hold_heap, keep_freed_memory, use_precision
+from nmtflow.runtime import autocast, hold_heap, keep_freed_memory, machine_info, use_precision
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
@@ -426,8 +424,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 5. report
     result: dict[str, Any] = {
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "device": str(device), "python": platform.python_version(), "arch": platform.machine()},
+        "machine": machine_info(device, threads=torch.get_num_threads()),
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "layers": args.layers, "d_model": ref_cfg.d_model, "heads": ref_cfg.heads,
                    "ffn_dim": ref_cfg.ffn_dim, "dropout": ref_cfg.dropout, "max_tokens": args.max_tokens,

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
+import platform
 import sys
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -20,6 +22,45 @@ OPT_OUT = "NMTFLOW_SYSTEM_MALLOC"  # set to 1 to leave malloc as it is
 
 _applied: bool | None = None
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.precision → autocast dtype
+# CPU flags that decide the speed of the kernels nmtflow runs (lscpu / /proc/cpuinfo names)
+SPEED_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+               "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # bf16 matrix products in hardware (x86, Arm)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> dict[str, Any]:
+    """The CPU's model name and its :data:`SPEED_FLAGS` (from /proc/cpuinfo; ``platform.processor()`` elsewhere),
+    and ``native_bf16``: whether it multiplies bf16 matrices in hardware (AMX or AVX-512 BF16, Arm BF16)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "cpu model", "hardware") and value.strip():
+                    model = value.strip()
+                elif key in ("flags", "features"):
+                    flags.update(value.split())
+                if key == "" and flags:  # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_flags": [f for f in SPEED_FLAGS if f in flags],
+            "native_bf16": any(f in flags for f in NATIVE_BF16_FLAGS)}
+
+
+def machine_info(device: str | torch.device | None = None, **extra: Any) -> dict[str, Any]:
+    """What a benchmark or comparison ran on, for its JSON: system, CPU model and speed flags, CPU count, Python,
+    torch, ``device`` (and its GPU's name where it is one), then ``extra`` (threads, GPU counts, ...)."""
+    info: dict[str, Any] = {"system": platform.system(), "arch": platform.machine(), "cpus": os.cpu_count(),
+                            **cpu_info(), "python": platform.python_version(), "torch": torch.__version__}
+    if device is not None:
+        info["device"] = str(device)
+        resolved = torch.device(device)
+        if resolved.type == "cuda" and torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(resolved)
+    return {**info, **extra}
 
 
 def new_file_mode() -> int:

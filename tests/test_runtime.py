@@ -59,3 +59,44 @@ def test_tf32_is_a_process_setting_and_autocast_follows_the_precision() -> None:
             assert not torch.is_autocast_enabled("cpu")
     with runtime.autocast("bf16", cpu):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def test_machine_info_names_the_cpu_and_its_speed_flags(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    info = runtime.machine_info("cpu", threads=3)
+    assert info["device"] == "cpu" and info["threads"] == 3 and info["cpus"] >= 1 and info["cpu_model"]
+    assert set(info["cpu_flags"]) <= set(runtime.SPEED_FLAGS)
+    assert info["native_bf16"] == any(f in info["cpu_flags"] for f in runtime.NATIVE_BF16_FLAGS)
+    # read from /proc/cpuinfo: the first processor's model name and flags
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu avx2 fma amx_bf16 amx_tile\n\n"
+                    "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n", encoding="utf-8")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(fake if path == "/proc/cpuinfo" else path,
+                                                                        *a, **k))
+    runtime.cpu_info.cache_clear()
+    try:
+        assert runtime.cpu_info() == {"cpu_model": "Test CPU 9000", "cpu_flags": ["avx2", "fma", "amx_tile", "amx_bf16"],
+                                      "native_bf16": True}
+    finally:
+        runtime.cpu_info.cache_clear()
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_a_warning(copy_data, tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from nmtflow.train import trainer as trainer_module
+    from tests.conftest import tiny_config
+
+    def trainer(native: bool, name: str) -> None:
+        monkeypatch.setattr(trainer_module, "cpu_info", lambda: {"cpu_model": "Old CPU", "cpu_flags": ["avx2"],
+                                                                  "native_bf16": native})
+        config = tiny_config(copy_data, tmp_path / name, max_updates=1, precision="bf16", device="cpu")
+        with caplog.at_level(logging.WARNING, logger="nmtflow.train"):
+            trainer_module.Trainer(config)
+
+    trainer(False, "emulated")
+    assert "bf16 on a CPU without native bf16 (Old CPU has neither AMX nor AVX-512 BF16)" in caplog.text
+    caplog.clear()
+    trainer(True, "native")
+    assert "without native bf16" not in caplog.text

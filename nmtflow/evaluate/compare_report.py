@@ -26,17 +26,13 @@ PLOTS = ("valid_bleu.png", "valid_loss.png", "train_loss.png", "bleu_vs_paramete
 
 
 def machine_info(device: str, threads: int | None) -> dict[str, Any]:
+    """What the comparison ran on (:func:`nmtflow.runtime.machine_info`: CPU model and flags included)."""
     import torch
 
+    from nmtflow.runtime import machine_info as describe
     from nmtflow.train.trainer import resolve_device
 
-    resolved = resolve_device(device)
-    info = {"system": platform.system(), "arch": platform.machine(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "device": str(resolved),
-            "threads": threads or torch.get_num_threads()}
-    if resolved.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(resolved)
-    return info
+    return describe(resolve_device(device), threads=threads or torch.get_num_threads())
 
 
 def _stats(values: list[float]) -> dict[str, Any] | None:

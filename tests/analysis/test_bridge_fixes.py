@@ -116,8 +116,8 @@ def test_adding_a_language_to_a_joint_vocabulary_model_asks_for_separate_vocab(r
     with pytest.raises(ConfigError, match="joint vocabulary.*per-language vocabularies.*--separate-vocab"):
         MultilingualTrainer(config(BRIDGE, runs["sep"], tmp_path / "x", langs=["en", "de"], new_langs=["fr"],
                                    init_checkpoint=runs["joint-base"]))
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    example = readme[readme.index("Adding a language"):]
+    guide = (REPO / "docs" / "guide" / "multilingual.md").read_text(encoding="utf-8")
+    example = guide[guide.index("Adding a language trains"):]
     example = example[:example.index("```\n", example.index("```bash") + 7)]
     prepares = [line for line in example.splitlines() if line.startswith("nmtflow prepare")]
     assert prepares and all("--separate-vocab" in line and "--lang-tags" not in line for line in prepares)
