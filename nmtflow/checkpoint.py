@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
+from nmtflow.data.locks import LockHeld, lock_file
 from nmtflow.data.tokenizer import same_model
 from nmtflow.runtime import new_file_mode
 
@@ -169,27 +170,16 @@ def lock_save_dir(save_dir: str | Path) -> None:
     lock when the process ends, however it ends (``kill -9`` included), so a stale lock never blocks a resume.
     Taking it again in the same process is a no-op; on a file system without ``flock`` there is no lock.
     """
-    import fcntl
-
     key = os.path.realpath(save_dir)
     if key in _held_locks:
         return
-    lock = Path(save_dir) / LOCK_NAME
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, new_file_mode())
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.read(fd, 64).decode("ascii", "replace").strip() or "unknown"
-        os.close(fd)
-        raise SaveDirBusy(f"{save_dir}: another training is running in this directory (pid {owner}); wait for "
+        fd = lock_file(Path(save_dir) / LOCK_NAME, new_file_mode())
+    except LockHeld as held:
+        raise SaveDirBusy(f"{save_dir}: another training is running in this directory (pid {held.owner}); wait for "
                           "it to end, or give this one another save dir") from None
-    except OSError as exc:  # e.g. a network file system without flock
-        os.close(fd)
-        log.debug("%s: not locked (%s)", lock, exc)
-        return
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    _held_locks[key] = fd
+    if fd is not None:
+        _held_locks[key] = fd
 
 
 def unlock_save_dir(save_dir: str | Path) -> None:

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from .binarize import IndexedDataset, IndexedWriter
 from .corpus import CleanConfig, CorpusError, iter_parallel, keep_mask
+from .locks import LockHeld, lock_file
 from .tokenizer import Tokenizer
 from .vocab import lang_tag
 
@@ -267,26 +268,17 @@ def _locked(out_dir: Path, real: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``.NAME.lock`` beside ``out_dir`` (released when the process ends, however it
     ends); a second preparation of the same directory meanwhile is a :class:`DataDirBusy` naming the first one's
     pid. On a file system without ``flock`` there is no lock."""
-    import fcntl
-
     real.parent.mkdir(parents=True, exist_ok=True)
-    lock = real.with_name(f".{real.name}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.read(fd, 64).decode("ascii", "replace").strip() or "unknown"
-            raise DataDirBusy(f"{out_dir}: another nmtflow prepare is writing this directory (pid {owner}); wait "
-                              "for it to end, or give this one another --out") from None
-        except OSError as exc:  # e.g. a network file system without flock
-            log.debug("%s: not locked (%s)", lock, exc)
-        else:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
+        fd = lock_file(real.with_name(f".{real.name}.lock"), 0o666)
+    except LockHeld as held:
+        raise DataDirBusy(f"{out_dir}: another nmtflow prepare is writing this directory (pid {held.owner}); wait "
+                          "for it to end, or give this one another --out") from None
+    try:
         yield
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
 
 
 def _stage_name(real: Path, kind: str, pid: int | str) -> Path:

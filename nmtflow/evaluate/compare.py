@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -659,7 +660,10 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
             todo.append((label, job))
     # runs trained per direction: every run's first direction before any run's second, so that a comparison stopped
     # part-way has the same directions of every run (the order within a position is the experiment's)
-    position = {job["dir"]: [o["run"] for o in jobs[:i]].count(job["run"]) for i, job in enumerate(jobs)}
+    seen: Counter[str] = Counter()
+    position = {}
+    for job in jobs:
+        position[job["dir"]], seen[job["run"]] = seen[job["run"]], seen[job["run"]] + 1
     todo.sort(key=lambda item: position[item[1]["dir"]])
     if exp.parallel > 1:
         log.info("training %d runs, %d at a time", len(todo), exp.parallel)
