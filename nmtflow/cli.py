@@ -53,6 +53,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     if args.add:
         given = [f"--{o.replace('_', '-')}" for o in ("train", "valid", "test", "split", "langs", "force")
                  if getattr(args, o)]
+        if not args.byte_fallback:
+            given.append("--no-byte-fallback")
         if given:
             raise ValueError(f"--add binarizes further splits with the tokenizers of --out; {', '.join(given)} "
                              "belong to a new preparation (leave them out)")
@@ -71,7 +73,7 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     splits.update(_named_prefixes(args.split or [], "--split", {name: f"--{name}" for name in splits}))
     meta = prepare(splits, args.langs, Path(args.out), vocab_size=args.vocab_size, joint=not args.separate_vocab,
                    clean=CleanConfig(max_len=args.max_len, max_ratio=args.max_ratio), lang_tags=args.lang_tags,
-                   workers=args.workers, replace_other=args.force)
+                   workers=args.workers, replace_other=args.force, byte_fallback=args.byte_fallback)
     for split, info in meta["splits"].items():
         print(f"{split}: {info['rows']} rows" + (f" ({info['dropped']} dropped by cleaning)" if info.get("dropped") else ""))
     for name, size in {meta["tokenizers"][lang]: meta["vocab_size"][lang] for lang in meta["langs"]}.items():
@@ -561,6 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--separate-vocab", action="store_true", help="one SentencePiece model per language")
     p.add_argument("--lang-tags", action="store_true", help="reserve <2xx> target-language tags")
+    p.add_argument("--no-byte-fallback", dest="byte_fallback", action="store_false",
+                   help="characters the training text lacks become <unk> (by default 256 of the --vocab-size pieces "
+                        "are bytes that spell them, so any text round-trips)")
     p.add_argument("--max-len", type=int, default=250, help="cleaning: drop training rows longer than this (tokens)")
     p.add_argument("--max-ratio", type=float, default=3.0, help="cleaning: drop rows whose length ratio exceeds this")
     p.add_argument("--workers", type=int, default=1,

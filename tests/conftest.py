@@ -39,7 +39,7 @@ def copy_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_split(root / "raw" / "valid", valid, valid)
     out = root / "data"
     prepare({"train": str(root / "raw" / "train"), "valid": str(root / "raw" / "valid")}, ["src", "tgt"], out,
-            vocab_size=60, joint=True, clean=CleanConfig())
+            vocab_size=60, byte_fallback=False, joint=True, clean=CleanConfig())
     return out
 
 

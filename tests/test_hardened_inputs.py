@@ -85,7 +85,7 @@ def other_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     lines = copy_sentences(300, 7)
     write_split(root / "raw" / "train", lines, lines)
     prepare({"train": str(root / "raw" / "train"), "valid": str(root / "raw" / "train")}, ["src", "tgt"],
-            root / "data", vocab_size=45, progress=False)
+            root / "data", vocab_size=45, byte_fallback=False, progress=False)
     return root / "data"
 
 
@@ -193,7 +193,7 @@ def test_a_sentence_longer_than_the_model_stops_training_before_it_starts(tmp_pa
     write_split(tmp_path / "raw" / "train", train, train)
     write_split(tmp_path / "raw" / "valid", valid, valid)
     prepare({"train": str(tmp_path / "raw" / "train"), "valid": str(tmp_path / "raw" / "valid")}, ["src", "tgt"],
-            tmp_path / "data", vocab_size=60, progress=False)
+            tmp_path / "data", vocab_size=60, byte_fallback=False, progress=False)
     config = tiny_config(tmp_path / "data", tmp_path / "run", max_updates=1, threads=1)
     config.model.max_positions = 128
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(to_dict(config)), encoding="utf-8")

@@ -151,9 +151,9 @@ def draw_heat_maps(model: EncoderDecoder, src_ids: list[int], tgt_ids: list[int]
     """Heat maps of every slot, layer and head for one sentence pair (ids without BOS/EOS; ``src_prefix``: a
     language-label model's ``<2xx>`` tag before the source)."""
     b = collate([src_ids], [tgt_ids], src_prefix=src_prefix).to(device_of(model))
-    src = [src_tok.piece(i) for i in b.src[0].tolist()]
-    tgt_in = [tgt_tok.piece(i) for i in b.tgt_in[0].tolist()]
-    tgt_out = [tgt_tok.piece(i) for i in b.tgt_out[0].tolist()]
+    src = src_tok.labels(b.src[0].tolist())  # byte pieces shown as the characters they spell
+    tgt_in = tgt_tok.labels(b.tgt_in[0].tolist())
+    tgt_out = tgt_tok.labels(b.tgt_out[0].tolist())
     files = []
     for m in attention_maps(model, b.src, b.tgt_in):
         rows = src if m.slot.startswith("encoder.") else tgt_out

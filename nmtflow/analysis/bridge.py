@@ -293,7 +293,7 @@ def sentence_attention(translator: Translator, sentence: str) -> tuple[list[str]
     model = translator.model.eval()
     ids = translator.encode_source([sentence])[0]
     src = collate([ids], [[]], src_prefix=translator.src_prefix).src.to(translator.device)
-    tokens = [translator.src_tokenizer.piece(i) for i in src[0].tolist()]
+    tokens = translator.src_tokenizer.labels(src[0].tolist())
     return tokens, unpadded(bridge_attention(model, src), src)[0].float().cpu()
 
 

@@ -121,13 +121,16 @@ def prepare(
     progress: bool = True,
     workers: int = 1,
     replace_other: bool = True,
+    byte_fallback: bool = True,
 ) -> dict:
     """Validate, tokenize, clean and binarize every split; return the ``meta.json`` dict.
 
     ``data_prefixes`` maps a split name to a prefix whose ``PREFIX.LANG`` files hold the text.
     The tokenizer(s) are trained on ``train_split`` only: one joint model over all languages
     (``spm.model``) or one per language (``spm.LANG.model``); ``lang_tags`` adds a ``<2xx>``
-    piece for every language to each model. Only the training split is cleaned (rows failing
+    piece for every language to each model; with ``byte_fallback`` (the default, recorded in ``meta.json``) 256
+    of each model's ``vocab_size`` pieces are bytes that spell any character the training split lacks, instead of
+    ``<unk>`` (:meth:`Tokenizer.train`). Only the training split is cleaned (rows failing
     ``clean`` or with an empty side are dropped and counted); an empty line in another split is
     a :class:`CorpusError`.
 
@@ -183,7 +186,7 @@ def prepare(
             meta = _prepare_into(stage, files, langs, lines, vocab_size=vocab_size, joint=joint, clean=clean,
                                  lang_tags=lang_tags, train_split=train_split, chunk_size=chunk_size,
                                  num_threads=num_threads, max_sentences=max_sentences, seed=seed, disable=disable,
-                                 workers=workers)
+                                 workers=workers, byte_fallback=byte_fallback)
             _carry_over(real, stage, _prepared_files(real) if previous is not None else set())
     return meta
 
@@ -191,11 +194,12 @@ def prepare(
 def _prepare_into(stage: Path, files: dict[str, list[Path]], langs: list[str], lines: dict[str, int], *,
                   vocab_size: int, joint: bool, clean: CleanConfig, lang_tags: bool, train_split: str,
                   chunk_size: int, num_threads: int, max_sentences: int, seed: int, disable: bool | None,
-                  workers: int) -> dict:
+                  workers: int, byte_fallback: bool) -> dict:
     """Tokenizers, binaries and ``meta.json`` of checked ``files`` written into the empty directory ``stage``."""
     # 2. tokenizers, trained on the training split
     symbols = [lang_tag(lang) for lang in langs] if lang_tags else []
-    train_kw = dict(user_symbols=symbols, max_sentences=max_sentences, num_threads=num_threads, seed=seed)
+    train_kw = dict(user_symbols=symbols, max_sentences=max_sentences, num_threads=num_threads, seed=seed,
+                    byte_fallback=byte_fallback)
     names = {lang: "spm" if joint else f"spm.{lang}" for lang in langs}
     sources = {name: [p for lang, p in zip(langs, files[train_split]) if names[lang] == name]
                for name in dict.fromkeys(names.values())}
@@ -232,6 +236,7 @@ def _prepare_into(stage: Path, files: dict[str, list[Path]], langs: list[str], l
         "langs": langs,
         "joint": bool(joint),
         "lang_tags": bool(lang_tags),
+        "byte_fallback": bool(byte_fallback),
         "tokenizers": tok_files,
         "vocab_size": {lang: toks[lang].vocab_size for lang in langs},
         "splits": splits_meta,

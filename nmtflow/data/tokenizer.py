@@ -1,8 +1,14 @@
-"""SentencePiece BPE tokenizer with nmtflow's fixed special ids (PAD=0, UNK=1, BOS=2, EOS=3)."""
+"""SentencePiece BPE tokenizer with nmtflow's fixed special ids (PAD=0, UNK=1, BOS=2, EOS=3).
+
+New models use byte fallback: a character that training never saw is encoded as the UTF-8 bytes of it (pieces
+``<0x00>``–``<0xFF>``, part of the vocabulary) instead of ``<unk>``, so any text comes back from encode and decode
+as it was (after SentencePiece's NFKC normalisation).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,6 +40,32 @@ def canonical_model(data: bytes) -> bytes:
 def same_model(a: bytes, b: bytes) -> bool:
     """Whether two serialized SentencePiece models tokenize alike (:func:`canonical_model` equal)."""
     return a == b or canonical_model(a) == canonical_model(b)
+
+
+#: SentencePiece's refusal of a vocabulary smaller than its characters and meta pieces ("60 vs 284")
+_TOO_SMALL = re.compile(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)")
+BYTE_PIECES = 256
+
+
+def _too_small(vocab_size: int, needed: int, user_symbols: int, byte_fallback: bool) -> str:
+    """Why ``vocab_size`` is refused: what the ``needed`` pieces are, and the ways out."""
+    parts = ["4 special pieces"]
+    if user_symbols:
+        parts.append(f"{user_symbols} user symbol(s)")
+    if byte_fallback:
+        parts.append(f"{BYTE_PIECES} byte pieces of byte fallback")
+    parts.append(f"{needed - 4 - user_symbols - BYTE_PIECES * byte_fallback} distinct characters of the text")
+    message = f"vocabulary size {vocab_size} is too small: the minimum is {needed} ({', '.join(parts)}); ask for " \
+              f"{needed} or more"
+    if byte_fallback:
+        message += f", or turn byte fallback off (--no-byte-fallback, byte_fallback=False), which needs " \
+                   f"{needed - BYTE_PIECES}"
+    return message
+
+
+def _utf8_width(lead: int) -> int:
+    """Bytes of the UTF-8 sequence that starts with byte ``lead`` (1 for a byte that starts none)."""
+    return 2 if 0xC0 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 else 4 if 0xF0 <= lead < 0xF8 else 1
 
 
 class Tokenizer:
@@ -84,6 +116,9 @@ class Tokenizer:
             )
         self._sp = sp
         self._size = int(sp.GetPieceSize())
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(data)
+        self._byte_fallback = proto.trainer_spec.byte_fallback
 
     # -- training -----------------------------------------------------------------------------
     @classmethod
@@ -96,12 +131,16 @@ class Tokenizer:
         max_sentences: int = 2_000_000,
         num_threads: int = 2,
         seed: int = 1,
+        byte_fallback: bool = True,
     ) -> "Tokenizer":
         """Train a BPE model on ``text_files`` and write ``MODEL_PREFIX.model``/``.vocab``.
 
         Uses ``character_coverage=1.0`` and, for inputs longer than ``max_sentences`` lines, a
         seeded random sample of that many sentences. ``user_symbols`` (e.g. language tags) become
-        single pieces that are never split. If ``vocab_size`` exceeds what the data can provide,
+        single pieces that are never split. With ``byte_fallback`` (the default) 256 of the ``vocab_size``
+        pieces are bytes, which spell any character the training text lacks; a vocabulary too small to hold
+        the special pieces, the user symbols, the bytes and every character of the text is a ValueError naming
+        the smallest size that is. If ``vocab_size`` exceeds what the data can provide,
         training is retried once with ``hard_vocab_limit=False``: the model then has fewer pieces
         than requested; check :attr:`vocab_size`. The files are written atomically.
         """
@@ -135,6 +174,7 @@ class Tokenizer:
             input_sentence_size=int(max_sentences),
             shuffle_input_sentence=True,
             num_threads=int(num_threads),
+            byte_fallback=bool(byte_fallback),
             minloglevel=2,  # silence SentencePiece's INFO/WARNING logging
         )
         if user_symbols:
@@ -152,6 +192,9 @@ class Tokenizer:
             for ext in (".model", ".vocab"):
                 Path(f"{tmp_prefix}{ext}").unlink(missing_ok=True)
             names = ", ".join(str(f) for f in files)
+            if small := _TOO_SMALL.search(str(e)):
+                raise ValueError(f"SentencePiece training on {names}: "
+                                 + _too_small(vocab_size, int(small[1]), len(user_symbols), byte_fallback)) from None
             raise ValueError(f"SentencePiece training on {names} failed: {e}") from None
         model = Path(f"{tmp_prefix}.model")  # without the temporary name: preparing again gives the same bytes
         model.write_bytes(canonical_model(model.read_bytes()))
@@ -218,6 +261,37 @@ class Tokenizer:
         if i == UNK and piece != UNK_PIECE:
             raise KeyError(f"{piece!r} is not in the vocabulary of {self.name}")
         return i
+
+    def labels(self, ids: Sequence[int]) -> list[str]:
+        """Readable labels of ``ids``, one per id (e.g. for the axes of a plot): the pieces, except that a run of
+        byte pieces shows the characters its UTF-8 bytes spell: ``ë`` spelled by two bytes is ``ë[1/2]``,
+        ``ë[2/2]``; a byte that spells no character stays ``<0xC3>``."""
+        ids = [int(i) for i in ids]
+        out = [self.piece(i) for i in ids]
+        byte = [int(piece[3:5], 16) if self._sp.IsByte(i) else None for i, piece in zip(ids, out)]  # "<0xC3>"
+        k = 0
+        while k < len(ids):
+            width = 0 if byte[k] is None else _utf8_width(byte[k])
+            span = byte[k:k + width]
+            try:
+                char = bytes(span).decode("utf-8") if width and len(span) == width and None not in span else ""
+            except UnicodeDecodeError:
+                char = ""
+            if not char:  # not a byte piece, or one that starts no whole character: its piece
+                k += 1
+                continue
+            out[k:k + width] = [char] if width == 1 else [f"{char}[{j + 1}/{width}]" for j in range(width)]
+            k += width
+        return out
+
+    def unknown_surfaces(self, text: str) -> list[str]:
+        """The text of each piece of ``text`` that encodes to ``<unk>`` (none with byte fallback)."""
+        return [p.surface for p in self._sp.Encode(text, out_type="proto").pieces if p.id == UNK]
+
+    @property
+    def byte_fallback(self) -> bool:
+        """Whether the model spells characters outside its vocabulary as bytes (False: they become ``<unk>``)."""
+        return bool(self._byte_fallback)
 
     def __contains__(self, piece: str) -> bool:
         return int(self._sp.PieceToId(piece)) != UNK or piece == UNK_PIECE

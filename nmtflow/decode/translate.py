@@ -20,6 +20,7 @@ from nmtflow.config import Config, DecodeConfig, config_from_dict
 from nmtflow.data.batching import collate
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.search import Hypothesis, beam_search, greedy_search, sequence_logprobs
+from nmtflow.decode.unknowns import UnknownTally
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, position_limits
 from nmtflow.runtime import new_file_mode
 
@@ -143,6 +144,7 @@ class Translator:
     config: Config | None = None
     src_prefix: int | None = None
     progress: Callable[[int], Any] | None = field(default=None, repr=False)  # told how many sentences are done
+    unknowns: UnknownTally | None = field(default=None, repr=False)  # set: encode_source counts <unk> into it
 
     @property
     def device(self) -> torch.device:
@@ -183,8 +185,15 @@ class Translator:
 
     def encode_source(self, lines: list[str], *, first_line: int = 1, name: str | None = None) -> list[list[int]]:
         """Sentences → source ids, each cut to :attr:`max_source_tokens` with a warning naming its line
-        (``first_line``: the line number of ``lines[0]`` in its input, ``name``: the input's file, if any)."""
+        (``first_line``: the line number of ``lines[0]`` in its input, ``name``: the input's file, if any).
+
+        Pieces unknown to the source vocabulary (``<unk>``) get one warning with their count, for the whole call, or,
+        while :attr:`unknowns` is set (:meth:`translate_stream`), counted into it."""
         ids = self.src_tokenizer.encode_batch(lines)
+        tally = self.unknowns or UnknownTally()
+        tally.add(self.src_tokenizer, lines, ids)
+        if self.unknowns is None:
+            tally.warn(name)
         limit = self.max_source_tokens
         reason = ("decode.max_input_tokens" if limit == self.decode.max_input_tokens
                   else f"the model's max_positions={source_positions(self.model)}")
@@ -241,17 +250,24 @@ class Translator:
     def translate_stream(self, lines: Iterable[str], chunk: int = 1000, *,
                          name: str | None = None) -> Iterator[list[tuple[str, float]]]:
         """Translate an iterable chunk by chunk (``chunk=1`` answers each line as it arrives); warnings name
-        the line of the whole input (and ``name``, the input's file)."""
+        the line of the whole input (and ``name``, the input's file); pieces unknown to the source vocabulary get one
+        warning for the whole input, when it ends."""
         buf: list[str] = []
         first_line = 1
-        for line in lines:
-            buf.append(line.rstrip("\r\n"))
-            if len(buf) >= chunk:
+        tally, outer = UnknownTally(), self.unknowns
+        self.unknowns = outer or tally
+        try:
+            for line in lines:
+                buf.append(line.rstrip("\r\n"))
+                if len(buf) >= chunk:
+                    yield from self.translate(buf, first_line=first_line, name=name)
+                    first_line += len(buf)
+                    buf = []
+            if buf:
                 yield from self.translate(buf, first_line=first_line, name=name)
-                first_line += len(buf)
-                buf = []
-        if buf:
-            yield from self.translate(buf, first_line=first_line, name=name)
+        finally:
+            self.unknowns = outer
+            tally.warn(name)  # nothing counted in it where an outer tally was set
 
     @torch.no_grad()
     def score(self, sources: list[str], targets: list[str], files: tuple[str, str] | None = None, *,

@@ -157,6 +157,8 @@ def prepare_data(exp: ExperimentConfig, out: Path) -> PreparedData:
     key = {"langs": d.langs, "splits": d.splits, "vocab_size": d.vocab_size, "joint": d.joint,
            "lang_tags": d.lang_tags, "max_len": d.max_len, "max_ratio": d.max_ratio,
            "file_sizes": {f"{s}.{lang}": p.stat().st_size for s, per in files.items() for lang, p in per.items()}}
+    if not d.byte_fallback:  # only off: data prepared before the setting existed stays this config's
+        key["byte_fallback"] = False
     data_dir = out / "data"
     previous = read_json(data_dir / DATA_KEY) if (data_dir / "meta.json").is_file() else None
     if previous is not None and previous != key and _training_part(previous) == _training_part(key):
@@ -175,7 +177,7 @@ def prepare_data(exp: ExperimentConfig, out: Path) -> PreparedData:
         log.info("preparing %s (%s) into %s", raw, ", ".join(d.langs), data_dir)
         prepare({split: str(raw / prefix) for split, prefix in d.splits.items()}, d.langs, data_dir,
                 vocab_size=d.vocab_size, joint=d.joint, clean=CleanConfig(max_len=d.max_len, max_ratio=d.max_ratio),
-                lang_tags=d.lang_tags)
+                lang_tags=d.lang_tags, byte_fallback=d.byte_fallback)
         write_json(data_dir / DATA_KEY, key)
     texts = {split: {lang: str(p.resolve()) for lang, p in per.items()} for split, per in files.items()}
     return PreparedData(data_dir.resolve(), texts)

@@ -71,6 +71,7 @@ class ExperimentData:
     vocab_size: int = 8000
     joint: bool = True
     lang_tags: bool = False  # reserve <2xx> tags (language-label models)
+    byte_fallback: bool = True  # unseen characters as byte pieces, not <unk> (nmtflow prepare --no-byte-fallback)
     max_len: int = 250  # cleaning of the training split
     max_ratio: float = 3.0
 

@@ -34,7 +34,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     write_split(root / "raw" / "valid", valid, valid)
     write_split(root / "raw" / "long", ["alpha bravo", LONG], ["alpha bravo", LONG])
     prefixes = {name: str(root / "raw" / name) for name in ("train", "valid", "long")}
-    prepare(prefixes, ["src", "tgt"], root / "data", vocab_size=60, progress=False)
+    prepare(prefixes, ["src", "tgt"], root / "data", vocab_size=60, byte_fallback=False, progress=False)
     data = {"path": str(root / "data"), "src_lang": "src", "tgt_lang": "tgt", "max_tokens": 400}
     models = {"transformer": {"name": "transformer", "d_model": 16, "ffn_dim": 32, "heads": 2, "encoder_layers": 1,
                               "decoder_layers": 1, "max_positions": 64},

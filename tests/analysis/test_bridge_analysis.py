@@ -110,7 +110,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("bridge-analysis")
     generate_corpus(root / "raw", langs=("en", "de", "fr"), n_train=120, n_valid=12, n_test=4, seed=1)
     prepare({"train": str(root / "raw" / "train")}, ["en", "de", "fr"], root / "data", vocab_size=150,
-            progress=False)
+            byte_fallback=False, progress=False)
     train = {"lr": 1e-3, "warmup_updates": 1, "max_updates": 1, "validate_every": 0, "save_every": 1,
              "log_every": 1, "progress": False, "valid_bleu": False}
     data = {"path": str(root / "data"), "max_tokens": 400, "valid_split": ""}

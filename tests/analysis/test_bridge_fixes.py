@@ -42,8 +42,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("bridge-fixes")
     generate_corpus(root / "raw", langs=("en", "de", "fr"), n_train=120, n_valid=6, n_test=4, seed=1)
     splits = {"train": str(root / "raw" / "train"), "valid": str(root / "raw" / "valid")}
-    prepare(splits, ["en", "de", "fr"], root / "joint", vocab_size=150, lang_tags=True, progress=False)
-    prepare(splits, ["en", "de", "fr"], root / "sep", vocab_size=100, joint=False, progress=False)
+    prepare(splits, ["en", "de", "fr"], root / "joint", vocab_size=150, byte_fallback=False, lang_tags=True,
+            progress=False)
+    prepare(splits, ["en", "de", "fr"], root / "sep", vocab_size=100, byte_fallback=False, joint=False, progress=False)
     MultilingualTrainer(config(TRANSFORMER_BRIDGE, root / "joint", root / "bridge3")).train()
     MultilingualTrainer(config(BRIDGE, root / "sep", root / "base", langs=["en", "de"])).train()
     MultilingualTrainer(config(BRIDGE, root / "sep", root / "added", langs=["en", "de"], new_langs=["fr"],

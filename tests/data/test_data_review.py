@@ -184,7 +184,7 @@ def test_a_special_piece_as_user_symbol_is_refused_before_training(tmp_path: Pat
     text = tmp_path / "text"
     text.write_text("a b c d\ne f g h\n", encoding="utf-8")
     with pytest.raises(ValueError, match=f"user symbol '{symbol}' is one of the special pieces"):
-        Tokenizer.train([text], tmp_path / "spm", vocab_size=40, user_symbols=["<2de>", symbol])
+        Tokenizer.train([text], tmp_path / "spm", vocab_size=40, byte_fallback=False, user_symbols=["<2de>", symbol])
     assert not list(tmp_path.glob("*spm*"))
 
 

@@ -35,7 +35,7 @@ def corpus(tmp_path):
 
 def test_prepare_end_to_end(tmp_path, corpus):
     out = tmp_path / "prepared"
-    meta = prepare(corpus, ["en", "de"], out, vocab_size=300)
+    meta = prepare(corpus, ["en", "de"], out, vocab_size=300, byte_fallback=False)
     assert meta == json.loads((out / "meta.json").read_text()) == load_meta(out)
     assert meta["langs"] == ["en", "de"] and meta["joint"] is True
     assert meta["tokenizers"] == {"en": "spm.model", "de": "spm.model"}
@@ -68,7 +68,7 @@ def test_cleaning_drops_exactly_the_failing_rows(tmp_path):
     prefix = write_split(tmp_path, "train", en, de)
     cfg = CleanConfig(max_len=120, max_ratio=2.5)
     out = tmp_path / "out"
-    meta = prepare({"train": prefix}, ["en", "de"], out, vocab_size=300, clean=cfg)
+    meta = prepare({"train": prefix}, ["en", "de"], out, vocab_size=300, byte_fallback=False, clean=cfg)
 
     tok = Tokenizer(out / "spm.model")
     enc_en = tok.encode_batch([normalize_line(l) for l in en])
@@ -88,7 +88,7 @@ def test_empty_line_in_valid_split_is_an_error(tmp_path, corpus):
     corpus["valid"] = write_split(tmp_path, "bad", en, de)
     out = tmp_path / "out"
     with pytest.raises(CorpusError) as err:
-        prepare(corpus, ["en", "de"], out, vocab_size=300)
+        prepare(corpus, ["en", "de"], out, vocab_size=300, byte_fallback=False)
     assert str(err.value).startswith(f"{tmp_path / 'bad.de'}:3: ")
     assert not (out / "meta.json").exists() and not (out / "spm.model").exists()
 
@@ -97,13 +97,13 @@ def test_mismatched_training_files_fail_before_training(tmp_path):
     prefix = write_split(tmp_path, "train", read("en"), read("de")[:-1])
     out = tmp_path / "out"
     with pytest.raises(CorpusError, match="has 199 lines"):
-        prepare({"train": prefix}, ["en", "de"], out, vocab_size=300)
+        prepare({"train": prefix}, ["en", "de"], out, vocab_size=300, byte_fallback=False)
     assert not (out / "spm.model").exists()
 
 
 def test_separate_vocabularies_with_language_tags(tmp_path, corpus):
     out = tmp_path / "sep"
-    meta = prepare({"train": corpus["train"]}, ["en", "de"], out, vocab_size=250, joint=False,
+    meta = prepare({"train": corpus["train"]}, ["en", "de"], out, vocab_size=250, byte_fallback=False, joint=False,
                    lang_tags=True, progress=False)
     assert meta["tokenizers"] == {"en": "spm.en.model", "de": "spm.de.model"}
     for lang in ("en", "de"):
@@ -132,7 +132,8 @@ def test_workers_encode_in_order_and_write_identical_output(tmp_path, corpus):
     outs = {}
     for workers in (1, 2):  # small chunks: many of them in flight, each encoded by whichever worker is free
         outs[workers] = tmp_path / f"w{workers}"
-        prepare(corpus, ["en", "de"], outs[workers], vocab_size=200, joint=False, chunk_size=16, workers=workers,
+        prepare(corpus, ["en", "de"], outs[workers], vocab_size=200, byte_fallback=False, joint=False, chunk_size=16,
+                workers=workers,
                 progress=False)
     files = sorted(p.name for p in outs[1].iterdir())
     assert files == sorted(p.name for p in outs[2].iterdir()) and "train.de.bin" in files
@@ -170,16 +171,17 @@ def test_ordered_map_keeps_order_and_reads_ahead_boundedly():
 def test_empty_valid_split_is_an_error(tmp_path, corpus):
     corpus["valid"] = write_split(tmp_path, "empty", [], [])
     with pytest.raises(CorpusError) as err:
-        prepare(corpus, ["en", "de"], tmp_path / "out", vocab_size=300)
+        prepare(corpus, ["en", "de"], tmp_path / "out", vocab_size=300, byte_fallback=False)
     assert str(err.value).startswith(f"{tmp_path / 'empty.en'}: the valid split is empty")
 
 
 def test_a_failed_check_leaves_a_prepared_directory_usable(tmp_path, corpus):
     out = tmp_path / "prepared"
-    meta = prepare(corpus, ["en", "de"], out, vocab_size=300)
+    meta = prepare(corpus, ["en", "de"], out, vocab_size=300, byte_fallback=False)
     model = (out / "spm.model").read_bytes()
     with pytest.raises(CorpusError, match="file not found"):
-        prepare(corpus, ["en", "dee"], out, vocab_size=300)  # a typo in the languages
+        prepare(corpus, ["en", "dee"], out, vocab_size=300, byte_fallback=False)  # a typo in the languages
     assert load_meta(out) == meta and (out / "spm.model").read_bytes() == model
-    assert prepare(corpus, ["en", "de"], out, vocab_size=300) == meta  # and preparing again is byte-identical
+    again = prepare(corpus, ["en", "de"], out, vocab_size=300, byte_fallback=False)
+    assert again == meta  # and preparing again is byte-identical
     assert (out / "spm.model").read_bytes() == model

@@ -16,7 +16,8 @@ def prepared(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
     for name, rows in (("train", train), ("valid", valid), ("new", test)):
         write_split(tmp_path / "raw" / name, rows, rows, ("en", "de"))
     assert main(["prepare", "--train", str(tmp_path / "raw" / "train"), "--valid", str(tmp_path / "raw" / "valid"),
-                 "--langs", "en", "de", "--out", str(tmp_path / "out"), "--vocab-size", "60"]) == 0
+                 "--langs", "en", "de", "--out", str(tmp_path / "out"), "--vocab-size", "60",
+                 "--no-byte-fallback"]) == 0
     capsys.readouterr()
     return tmp_path / "out"
 

@@ -12,7 +12,7 @@ from tests.conftest import copy_sentences, write_split
 
 def prepare_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> tuple[int, str, str]:
     code = main(["prepare", "--train", str(tmp_path / "raw" / "train"), "--valid", str(tmp_path / "raw" / "valid"),
-                 "--langs", "en", "de", "--out", str(tmp_path / "out"), *extra])
+                 "--langs", "en", "de", "--out", str(tmp_path / "out"), "--no-byte-fallback", *extra])
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -65,7 +65,8 @@ def child(tmp_path: Path, mode: str, **call: object) -> subprocess.Popen:
 def prepare_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str,
                 train: str = "train") -> tuple[int, str, str]:
     code = main(["prepare", "--train", str(tmp_path / "raw" / train), "--valid", str(tmp_path / "raw" / "valid"),
-                 "--langs", "en", "de", "--out", str(tmp_path / "out"), "--vocab-size", "60", *extra])
+                 "--langs", "en", "de", "--out", str(tmp_path / "out"), "--vocab-size", "60",
+                 "--no-byte-fallback", *extra])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -94,7 +95,7 @@ def test_a_second_prepare_meanwhile_is_an_error_and_a_killed_one_changes_nothing
     assert prepare_cli(tmp_path, capsys)[0] == 0
     before = snapshot(out)
     proc = child(tmp_path, "pause", function="prepare", data_prefixes={"train": str(raw / "other")},
-                 langs=["en", "de"], out_dir=str(out), vocab_size=50, progress=False)
+                 langs=["en", "de"], out_dir=str(out), vocab_size=50, byte_fallback=False, progress=False)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "ready").exists():
@@ -122,7 +123,7 @@ def test_a_prepare_killed_between_the_renames_of_a_swap_is_undone_by_the_next(
     assert prepare_cli(tmp_path, capsys)[0] == 0
     (out / "notes.txt").write_text("mine\n")
     proc = child(tmp_path, "kill-swap", function="prepare", data_prefixes={"train": str(raw / "train")},
-                 langs=["en", "de"], out_dir=str(out), vocab_size=50, progress=False)
+                 langs=["en", "de"], out_dir=str(out), vocab_size=50, byte_fallback=False, progress=False)
     assert proc.wait(60) == -signal.SIGKILL, proc.stderr.read().decode()
     assert not out.exists() and len(leftovers(tmp_path)) == 2
     with caplog.at_level(logging.WARNING, logger="nmtflow.data.prepare"):
@@ -172,7 +173,7 @@ def test_splits_that_read_the_same_file_are_a_warning(raw: Path, tmp_path: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="nmtflow.data.prepare"):
         assert main(["prepare", "--train", str(raw / "train"), "--valid", str(raw / "train"), "--langs", "en", "de",
-                     "--out", str(tmp_path / "out"), "--vocab-size", "60"]) == 0
+                     "--out", str(tmp_path / "out"), "--vocab-size", "60", "--no-byte-fallback"]) == 0
         assert main(["prepare", "--out", str(tmp_path / "out"), "--add", f"test={raw / 'train'}"]) == 0
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     files = f"{raw / 'train.en'}, {raw / 'train.de'}"
@@ -188,7 +189,7 @@ def test_out_of_range_token_ids_are_an_error_naming_the_file(raw: Path, tmp_path
     write_split(raw / "copyvalid", copy_sentences(5, 2), copy_sentences(5, 2))
     out = tmp_path / "data"
     assert main(["prepare", "--train", str(raw / "copy"), "--valid", str(raw / "copyvalid"), "--langs", "src", "tgt",
-                 "--out", str(out), "--vocab-size", "60"]) == 0
+                 "--out", str(out), "--vocab-size", "60", "--no-byte-fallback"]) == 0
     capsys.readouterr()
     target = out / "train.tgt.bin"
     data = bytearray(target.read_bytes())

@@ -16,7 +16,8 @@ TEXTS = [FIXTURES / "tiny.en", FIXTURES / "tiny.de"]
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):
     out = tmp_path_factory.mktemp("spm") / "spm"
-    return Tokenizer.train(TEXTS, out, vocab_size=300, user_symbols=[lang_tag("en"), lang_tag("de")])
+    return Tokenizer.train(TEXTS, out, vocab_size=300, byte_fallback=False,
+                           user_symbols=[lang_tag("en"), lang_tag("de")])
 
 
 def fixture_lines():
@@ -101,7 +102,7 @@ def test_training_again_elsewhere_writes_the_same_model(tok, tmp_path):
     copies = [tmp_path / "copy.en", tmp_path / "copy.de"]
     for src, dst in zip(TEXTS, copies):
         dst.write_bytes(src.read_bytes())
-    again = Tokenizer.train(copies, tmp_path / "other" / "spm", vocab_size=300,
+    again = Tokenizer.train(copies, tmp_path / "other" / "spm", vocab_size=300, byte_fallback=False,
                             user_symbols=[lang_tag("en"), lang_tag("de")])
     assert again.path.read_bytes() == tok.path.read_bytes()
     assert b".tmp" not in again.path.read_bytes() and str(tmp_path).encode() not in again.path.read_bytes()

@@ -334,7 +334,7 @@ def multiway(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("multiway")
     generate_corpus(root / "raw", langs=("en", "de", "fr"), n_train=200, n_valid=6, n_test=6, seed=1)
     prepare({"train": str(root / "raw" / "train"), "valid": str(root / "raw" / "valid")}, ["en", "de", "fr"],
-            root / "data", vocab_size=200, lang_tags=True, progress=False)
+            root / "data", vocab_size=200, byte_fallback=False, lang_tags=True, progress=False)
     tiny = {"hidden_dim": 32, "encoder_layers": 1, "decoder_layers": 1, "dropout": 0.0}
     models = {"bridge": {"name": "bridge", **tiny, "bridge_heads": 3, "bridge_dim": 16},
               "ll": {"name": "language_label", "backbone": {"name": "rnn", **tiny}}}

@@ -28,6 +28,7 @@ data:
   synthetic: {n_train: 300, n_valid: 20, n_test: 20, langs: [en, de]}
   directions: [en-de]
   vocab_size: 200
+  byte_fallback: false
 overrides: [model.d_model=32, model.ffn_dim=64, model.heads=2, model.encoder_layers=1, model.decoder_layers=1,
             data.max_tokens=1000, train.warmup_updates=5, train.validate_every=5, train.save_every=5,
             train.log_every=1, train.progress=false, train.valid_bleu_max_sentences=10]
@@ -233,7 +234,7 @@ def test_another_prepared_dataset_is_refused(copied, tmp_path: Path, monkeypatch
     experiment, out = copied
     corpus = out / "corpus"
     prepare({s: str(corpus / s) for s in ("train", "valid", "test")}, ["en", "de"], tmp_path / "other",
-            vocab_size=150)
+            vocab_size=150, byte_fallback=False)
     message = r"out: its runs were trained on data prepared with other settings \(in .*data, not .*other\)"
     with pytest.raises(ConfigError, match=message):
         run_comparison(experiment, out=out, overrides=[f"data.path={tmp_path / 'other'}", "data.synthetic=null"])

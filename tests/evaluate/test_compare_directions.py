@@ -23,6 +23,7 @@ data:
   langs: [en, de, fr]
   directions: [en-de]
   vocab_size: 150
+  byte_fallback: false
   joint: false
 overrides: [model.hidden_dim=16, model.encoder_layers=1, model.decoder_layers=1, data.max_tokens=400,
             data.max_sentences=null, train.warmup_updates=1, train.validate_every=0, train.save_every=2,

@@ -76,7 +76,7 @@ def mono_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for split, n, seed in (("train", 600, 5), ("valid", 40, 6)):
         (root / f"{split}.en").write_text("".join(s + "\n" for s in copy_sentences(n, seed)), encoding="utf-8")
     prepare({"train": str(root / "train"), "valid": str(root / "valid")}, ["en"], root / "data", vocab_size=40,
-            progress=False)
+            byte_fallback=False, progress=False)
     return root / "data"
 
 

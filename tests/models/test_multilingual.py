@@ -176,7 +176,7 @@ def multiway(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("multiway")
     generate_corpus(root / "raw", langs=("en", "de", "fr"), n_train=300, n_valid=8, n_test=8, seed=1)
     prepare({"train": str(root / "raw" / "train"), "valid": str(root / "raw" / "valid")}, ["en", "de", "fr"],
-            root / "data", vocab_size=200, lang_tags=True, progress=False)
+            root / "data", vocab_size=200, byte_fallback=False, lang_tags=True, progress=False)
     return root / "data"
 
 

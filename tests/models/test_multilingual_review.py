@@ -153,8 +153,9 @@ def test_resuming_on_data_prepared_with_other_languages_names_the_directions(tmp
             "train": {"save_dir": str(tmp_path / "run"), "progress": False, "max_updates": updates,
                       "validate_every": 0, "save_every": 1, "warmup_updates": 1, "valid_bleu": False}})
 
-    prepare(splits, ["en", "de"], tmp_path / "two", vocab_size=80, joint=False, progress=False)
+    prepare(splits, ["en", "de"], tmp_path / "two", vocab_size=80, byte_fallback=False, joint=False, progress=False)
     MultilingualTrainer(config(tmp_path / "two", 1)).train()
-    prepare(splits, ["en", "de", "fr"], tmp_path / "three", vocab_size=80, joint=False, progress=False)
+    prepare(splits, ["en", "de", "fr"], tmp_path / "three", vocab_size=80, byte_fallback=False, joint=False,
+            progress=False)
     with pytest.raises(ConfigError, match=r"checkpoint_last\.pt: \S*three adds en-fr, de-fr, fr-en, fr-de \(the "):
         MultilingualTrainer(config(tmp_path / "three", 2))

@@ -29,7 +29,7 @@ def en_de(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("bridge-loss")
     generate_corpus(root / "raw", langs=("en", "de"), n_train=60, n_valid=4, n_test=2, seed=3)
     prepare({"train": str(root / "raw" / "train"), "valid": str(root / "raw" / "valid")}, ["en", "de"],
-            root / "data", vocab_size=100, joint=False, progress=False)
+            root / "data", vocab_size=100, byte_fallback=False, joint=False, progress=False)
     return root / "data"
 
 

@@ -126,7 +126,7 @@ def multiway(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("multiway")
     generate_corpus(root / "raw", langs=("en", "de"), n_train=200, n_valid=6, n_test=2, seed=1)
     prepare({"train": str(root / "raw" / "train"), "valid": str(root / "raw" / "valid")}, ["en", "de"],
-            root / "data", vocab_size=120, progress=False)
+            root / "data", vocab_size=120, byte_fallback=False, progress=False)
     return root / "data"
 
 

@@ -209,7 +209,7 @@ def three_langs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("three")
     generate_corpus(root / "raw", langs=("en", "de", "fr"), n_train=120, n_valid=4, n_test=2, seed=1)
     prepare({"train": str(root / "raw" / "train"), "valid": str(root / "raw" / "valid")}, ["en", "de", "fr"],
-            root / "data", vocab_size=120, progress=False)
+            root / "data", vocab_size=120, byte_fallback=False, progress=False)
     return root / "data"
 
 
