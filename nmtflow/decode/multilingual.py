@@ -1,7 +1,7 @@
 """Loading multilingual checkpoints for inference: any trained or zero-shot direction, sentence embeddings."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,28 +94,45 @@ def load_multilingual(path: str | Path, device: str | torch.device = "cpu", *,
                                   list(langs.get("zero_shot", [])))
 
 
-def multilingual_translator(path: str | Path, src_lang: str, tgt_lang: str, device: str | torch.device = "cpu",
-                            decode: DecodeConfig | None = None) -> Translator:
-    """Load ``path`` and return its ``src_lang → tgt_lang`` translator.
-
-    A bilingual checkpoint accepts its own direction only. A language or direction the model lacks is a
-    one-line :class:`CheckpointError` naming ``path``.
-    """
+def open_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Translator | MultilingualCheckpoint:
+    """A checkpoint loaded once: a bilingual one's :class:`Translator`, or a :class:`MultilingualCheckpoint` (whose
+    directions :func:`direction_translator` picks without loading it again)."""
     ckpt = load_checkpoint(path)
-    if not is_multilingual(ckpt):
-        langs = ckpt.get("langs") or {}
-        if (src_lang, tgt_lang) != (langs.get("src"), langs.get("tgt")):
-            raise CheckpointError(f"{path}: a bilingual {langs.get('src')}→{langs.get('tgt')} model cannot translate "
-                                  f"{src_lang}→{tgt_lang} (leave out --src-lang/--tgt-lang)")
-        return Translator.from_checkpoint(path, device, decode, ckpt=ckpt)
+    if is_multilingual(ckpt):
+        return load_multilingual(path, device, ckpt=ckpt)
+    return Translator.from_checkpoint(path, device, ckpt=ckpt)
+
+
+def direction_translator(opened: Translator | MultilingualCheckpoint, path: str | Path, src_lang: str | None,
+                         tgt_lang: str | None, decode: DecodeConfig | None = None) -> Translator:
+    """The ``src_lang → tgt_lang`` translator of a checkpoint opened by :func:`open_checkpoint` (``path``).
+
+    A bilingual checkpoint translates its own direction (named, or both languages None); a multilingual one any
+    trained or zero-shot direction, which must be named. A language or direction the model lacks is a one-line
+    :class:`CheckpointError` naming ``path``.
+    """
+    if isinstance(opened, Translator):
+        data = getattr(opened.config, "data", None)
+        own = (getattr(data, "src_lang", None), getattr(data, "tgt_lang", None))
+        if (src_lang or tgt_lang) and (src_lang, tgt_lang) != own:
+            raise CheckpointError(f"{path}: a bilingual {own[0]}→{own[1]} model cannot translate "
+                                  f"{src_lang}→{tgt_lang} (name no languages, or {own[0]} and {own[1]})")
+        return opened if decode is None else replace(opened, decode=decode)
+    if not (src_lang and tgt_lang):
+        zero_shot = f"; zero-shot: {', '.join(opened.zero_shot)}" if opened.zero_shot else ""
+        raise CheckpointError(f"{path}: a multilingual checkpoint (trained: {', '.join(opened.directions)}{zero_shot}):"
+                              " name the source and the target language")
     try:
-        return load_multilingual(path, device, ckpt=ckpt).translator(src_lang, tgt_lang, decode)
-    except CheckpointError:
-        raise
+        return opened.translator(src_lang, tgt_lang, decode)
     except (ValueError, KeyError) as exc:  # a language or direction the model does not have
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise CheckpointError(f"{path}: {message}") from None
 
+
+def multilingual_translator(path: str | Path, src_lang: str, tgt_lang: str, device: str | torch.device = "cpu",
+                            decode: DecodeConfig | None = None) -> Translator:
+    """Load ``path`` and return its ``src_lang → tgt_lang`` translator (:func:`direction_translator`)."""
+    return direction_translator(open_checkpoint(path, device), path, src_lang, tgt_lang, decode)
 
 
 def open_translator(path: str | Path, device: str | torch.device = "cpu", src_lang: str | None = None,

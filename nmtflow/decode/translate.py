@@ -133,6 +133,14 @@ def check_search(d: DecodeConfig) -> None:
                          f"beam search keeps at most beam-size hypotheses; give --beam {d.nbest} or more")
 
 
+def refuse_str(sentences: Any, where: str) -> None:
+    """A TypeError where ``sentences`` is a bare ``str`` (or ``bytes``): iterated, it would be one sentence per
+    character."""
+    if isinstance(sentences, (str, bytes)):
+        raise TypeError(f"{where}: expected a list of sentences, got a {type(sentences).__name__} (pass [sentence]; "
+                        "or use nmtflow.load(...), whose translate and score take one str)")
+
+
 @dataclass
 class Translator:
     """A model with its tokenizers and search settings."""
@@ -238,7 +246,9 @@ class Translator:
     def translate(self, lines: list[str], *, first_line: int = 1,
                   name: str | None = None) -> list[list[tuple[str, float]]]:
         """Sentences → n-best (detokenised text, score) lists, in input order (``first_line``, ``name``: where
-        ``lines`` come from, for truncation warnings and the ValueError for a line the model scores NaN)."""
+        ``lines`` come from, for truncation warnings and the ValueError for a line the model scores NaN); a bare
+        ``str`` is a TypeError."""
+        refuse_str(lines, "Translator.translate")
         hyps = self.translate_ids(self.encode_source(lines, first_line=first_line, name=name))
         for n, nbest in enumerate(hyps):
             if math.isnan(nbest[0].logprob):
@@ -252,6 +262,7 @@ class Translator:
         """Translate an iterable chunk by chunk (``chunk=1`` answers each line as it arrives); warnings name
         the line of the whole input (and ``name``, the input's file); pieces unknown to the source vocabulary get one
         warning for the whole input, when it ends."""
+        refuse_str(lines, "Translator.translate_stream")
         buf: list[str] = []
         first_line = 1
         tally, outer = UnknownTally(), self.unknowns
@@ -277,8 +288,12 @@ class Translator:
         Sources are cut at ``decode.max_input_tokens`` (with a warning); a target, or a source, that does not fit
         the model's positions is a ValueError naming it: ``where(pair, side)`` (side ``source`` | ``target``)
         says where pair ``pair`` comes from, e.g. ``FILE:LINE: target line LINE``; ``files`` (source, target)
-        name line-aligned files that way.
+        name line-aligned files that way. A bare ``str`` is a TypeError, lists of different lengths a ValueError.
         """
+        refuse_str(sources, "Translator.score")
+        refuse_str(targets, "Translator.score")
+        if len(sources) != len(targets):
+            raise ValueError(f"Translator.score: {len(sources)} sources but {len(targets)} targets")
         locate = where or (lambda n, side: (f"{files[side == 'target']}:{n + 1}: " if files else "")
                            + f"{side} line {n + 1}")
         src_ids, warned = self.src_tokenizer.encode_batch(sources), set()

@@ -81,9 +81,11 @@ def test_an_ensemble_needs_two_models() -> None:
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------------------
-def train(copy_data: Path, save_dir: Path, seed: int, **model: object) -> str:
-    raw = to_dict(tiny_config(copy_data, save_dir, max_updates=2, valid_bleu=False, validate_every=0, save_every=0,
-                              threads=1, seed=seed))
+def train(copy_data: Path, save_dir: Path, seed: int, *, schedule: dict[str, object] | None = None,
+          **model: object) -> str:
+    """A tiny Transformer of 2 updates (``schedule``: other ``train`` settings) with ``model`` settings."""
+    raw = to_dict(tiny_config(copy_data, save_dir, valid_bleu=False, validate_every=0, save_every=0, threads=1,
+                              seed=seed, **{"max_updates": 2, **(schedule or {})}))
     raw["model"].update(d_model=32, ffn_dim=64, **model)
     threads = torch.get_num_threads()
     try:
