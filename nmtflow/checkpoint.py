@@ -251,6 +251,30 @@ def _weights_only_refusal(message: str) -> str | None:
     return " ".join(reason.split())
 
 
+def file_sha256(path: str | Path) -> str:
+    """The SHA-256 of the file's bytes (what ``sha256sum`` prints), read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checkpoint_tokenizers(ckpt: dict[str, Any], path: str | Path) -> dict[str, bytes]:
+    """Language → the serialized SentencePiece model a checkpoint embeds: a multilingual one's per language, a
+    bilingual one's ``src`` and ``tgt`` models under its languages (``langs``)."""
+    saved = ckpt.get("tokenizers")
+    if not isinstance(saved, dict) or not saved:
+        raise CheckpointError(f"{path}: holds no SentencePiece models (written by an early nmtflow version)")
+    if ckpt.get("multilingual"):
+        return {str(lang): data.cpu().numpy().tobytes() for lang, data in saved.items()}
+    langs = ckpt.get("langs") or {}
+    if not {"src", "tgt"} <= saved.keys() or not {"src", "tgt"} <= langs.keys():
+        raise CheckpointError(f"{path}: its SentencePiece models are not named by language (src and tgt expected)")
+    models = {str(langs[side]): saved[side].cpu().numpy().tobytes() for side in ("tgt", "src")}  # src's if one lang
+    return {lang: models[lang] for lang in dict.fromkeys((str(langs["src"]), str(langs["tgt"])))}
+
+
 def model_mismatch(exc: BaseException, limit: int = 300) -> str:
     """The informative line of an error rebuilding a checkpoint's model: for ``load_state_dict``, the first
     mismatch (``size mismatch for ...``, ``Missing key(s) ...``), not its "Error(s) in loading state_dict" header."""

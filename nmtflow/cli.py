@@ -51,8 +51,8 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     from nmtflow.data.prepare import add_splits, prepare
 
     if args.add:
-        given = [f"--{o.replace('_', '-')}" for o in ("train", "valid", "test", "split", "langs", "force")
-                 if getattr(args, o)]
+        given = [f"--{o.replace('_', '-')}" for o in ("train", "valid", "test", "split", "langs", "force",
+                                                       "tokenizer_from") if getattr(args, o)]
         if not args.byte_fallback:
             given.append("--no-byte-fallback")
         if given:
@@ -63,7 +63,9 @@ def cmd_prepare(args: argparse.Namespace) -> None:
             print(f"{split}: {meta['splits'][split]['rows']} rows")
         print(f"added to {args.out} (tokenizers and the other splits unchanged)")
         return
-    if not (args.train and args.langs):
+    tokenizers = _checkpoint_tokenizers(args) if args.tokenizer_from else None
+    langs = args.langs or (list(tokenizers) if tokenizers else None)
+    if not (args.train and langs):
         raise ValueError("--train and --langs are required (or --add NAME=PREFIX to add splits to --out)")
     splits = {"train": args.train}
     if args.valid:
@@ -71,16 +73,42 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     if args.test:
         splits["test"] = args.test
     splits.update(_named_prefixes(args.split or [], "--split", {name: f"--{name}" for name in splits}))
-    meta = prepare(splits, args.langs, Path(args.out), vocab_size=args.vocab_size, joint=not args.separate_vocab,
+    vocab_size = DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
+    meta = prepare(splits, langs, Path(args.out), vocab_size=vocab_size, joint=not args.separate_vocab,
                    clean=CleanConfig(max_len=args.max_len, max_ratio=args.max_ratio), lang_tags=args.lang_tags,
-                   workers=args.workers, replace_other=args.force, byte_fallback=args.byte_fallback)
+                   workers=args.workers, replace_other=args.force, byte_fallback=args.byte_fallback,
+                   tokenizers=tokenizers)
     for split, info in meta["splits"].items():
         print(f"{split}: {info['rows']} rows" + (f" ({info['dropped']} dropped by cleaning)" if info.get("dropped") else ""))
     for name, size in {meta["tokenizers"][lang]: meta["vocab_size"][lang] for lang in meta["langs"]}.items():
-        if size < args.vocab_size:  # SentencePiece stopped early: the training text has no more merges
-            print(f"nmtflow prepare: note: {name} has {size} pieces, fewer than --vocab-size {args.vocab_size} "
+        if size < vocab_size and not tokenizers:  # SentencePiece stopped early: the training text has no more merges
+            print(f"nmtflow prepare: note: {name} has {size} pieces, fewer than --vocab-size {vocab_size} "
                   "(the training data yields no more)", file=sys.stderr)
     print(f"prepared data in {args.out}")
+
+
+DEFAULT_VOCAB_SIZE = 8000  # prepare --vocab-size
+
+
+def _checkpoint_tokenizers(args: argparse.Namespace) -> dict[str, Any]:
+    """``prepare --tokenizer-from CKPT``: language → the checkpoint's SentencePiece model (checked), for the
+    languages of ``--langs`` (default: all of the checkpoint's)."""
+    from nmtflow.checkpoint import checkpoint_tokenizers, load_checkpoint
+    from nmtflow.data.tokenizer import Tokenizer
+
+    given = [f"--{o.replace('_', '-')}" for o in ("vocab_size", "separate_vocab", "lang_tags")
+             if getattr(args, o) not in (None, False)] + ([] if args.byte_fallback else ["--no-byte-fallback"])
+    if given:
+        raise ValueError(f"--tokenizer-from uses the checkpoint's SentencePiece models as they are; {', '.join(given)} "
+                         "belong to learning new ones (leave them out)")
+    path = args.tokenizer_from
+    models = checkpoint_tokenizers(load_checkpoint(path), path)
+    unknown = [lang for lang in args.langs or [] if lang not in models]
+    if unknown:
+        raise ValueError(f"--langs {' '.join(unknown)}: {path} has no tokenizer for {', '.join(unknown)} (its "
+                         f"languages: {', '.join(models)})")
+    return {lang: Tokenizer.from_bytes(models[lang], path, what=f"its {lang} SentencePiece model")
+            for lang in args.langs or models}
 
 
 @command
@@ -93,6 +121,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         config.train.save_dir = args.save_dir
     if args.data:
         config.data.path = args.data
+    if args.init_from:
+        config.train.init_from = args.init_from
     trainer_cls = Trainer
     if config.data.multilingual is not None:  # many directions, one model (SPEC §5)
         from nmtflow.train.multilingual import MultilingualTrainer
@@ -560,7 +590,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="replace an --out prepared from other training files (without it, an error; one prepared from "
                         "the same files is replaced, with a note of what it held)")
-    p.add_argument("--vocab-size", type=int, default=8000)
+    p.add_argument("--vocab-size", type=int, help=f"SentencePiece pieces to learn (default {DEFAULT_VOCAB_SIZE})")
+    p.add_argument("--tokenizer-from", metavar="CKPT",
+                   help="use the SentencePiece model(s) of this checkpoint instead of learning them (data to fine-tune "
+                        "it on, train --init-from CKPT); --langs default to its languages")
     p.add_argument("--separate-vocab", action="store_true", help="one SentencePiece model per language")
     p.add_argument("--lang-tags", action="store_true", help="reserve <2xx> target-language tags")
     p.add_argument("--no-byte-fallback", dest="byte_fallback", action="store_false",
@@ -576,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.max_updates=100")
     p.add_argument("--save-dir")
     p.add_argument("--data", help="prepared data directory (overrides data.path)")
+    p.add_argument("--init-from", metavar="CKPT",
+                   help="fine-tune: start a new run from this checkpoint's weights (optimiser, schedule, update count "
+                        "and data position start afresh; sets train.init_from)")
     p.add_argument("--restart", action="store_true",
                    help="start afresh: ignore an existing checkpoint_last.pt and delete the earlier run's checkpoints "
                         "and TensorBoard events in the save dir")

@@ -240,6 +240,7 @@ class TrainConfig:
     progress: bool = True  # tqdm bar
     precision: str = "fp32"  # fp32 | tf32 (fp32, TF32 matmuls, GPU only) | bf16 (autocast) | fp16 (+ GradScaler, GPU only)
     max_bad_updates: int = 5  # stop after this many consecutive updates with a non-finite loss (each skipped)
+    init_from: str | None = None  # fine-tuning: a new run starts from this checkpoint's weights (train/finetune.py)
 
     def validate(self, where: str) -> None:
         if self.precision not in PRECISIONS:
@@ -441,6 +442,26 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
+
+
+def differing_settings(saved: dict[str, Any], current: dict[str, Any], may_change: typing.Callable[[str], bool],
+                       prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) of the settings of two config dicts that differ, sorted, leaving out
+    the keys (and whole sections) for which ``may_change(dotted key)`` holds.
+
+    Keys missing on either side (settings added to nmtflow since ``saved`` was written) are not compared; a list
+    equals a tuple of the same items.
+    """
+    changed = []
+    for key in saved.keys() & current.keys():
+        name, old, new = f"{prefix}{key}", saved[key], current[key]
+        if may_change(name):
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            changed += differing_settings(old, new, may_change, name + ".")
+        elif old != new and not (isinstance(old, (list, tuple)) and list(old) == list(new or [])):
+            changed.append((name, old, new))
+    return sorted(changed)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -122,6 +122,7 @@ def prepare(
     workers: int = 1,
     replace_other: bool = True,
     byte_fallback: bool = True,
+    tokenizers: Mapping[str, Tokenizer] | None = None,
 ) -> dict:
     """Validate, tokenize, clean and binarize every split; return the ``meta.json`` dict.
 
@@ -143,6 +144,10 @@ def prepare(
     preparation of it meanwhile is a :class:`DataDirBusy`. Preparing it again logs what it replaces; with
     ``replace_other`` False (the command line without ``--force``), data prepared there from other training files
     is an error. Two splits that read the same file get a warning.
+
+    ``tokenizers`` (language → a loaded model, e.g. a checkpoint's: ``prepare --tokenizer-from``) are used as they
+    are instead of learning SentencePiece, so the ids are those the model was trained with; ``vocab_size``,
+    ``joint`` and ``lang_tags`` then follow from them (joint: one model for every language).
     """
     clean = clean or CleanConfig()
     langs = list(langs)
@@ -156,6 +161,13 @@ def prepare(
         raise ValueError(f"data_prefixes has no {train_split!r} split (got {sorted(data_prefixes)})")
     for split in data_prefixes:
         _check_name("split", split)
+    if tokenizers is not None:
+        missing = [lang for lang in langs if lang not in tokenizers]
+        if missing:
+            raise ValueError(f"no tokenizer for {', '.join(missing)} (the given ones are for "
+                             f"{', '.join(tokenizers) or 'no language'})")
+        joint = len({tokenizers[lang].model_proto for lang in langs}) == 1
+        lang_tags = all(lang_tag(other) in tokenizers[lang] for lang in langs for other in langs)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if workers < 1:
@@ -186,7 +198,7 @@ def prepare(
             meta = _prepare_into(stage, files, langs, lines, vocab_size=vocab_size, joint=joint, clean=clean,
                                  lang_tags=lang_tags, train_split=train_split, chunk_size=chunk_size,
                                  num_threads=num_threads, max_sentences=max_sentences, seed=seed, disable=disable,
-                                 workers=workers, byte_fallback=byte_fallback)
+                                 workers=workers, byte_fallback=byte_fallback, given=tokenizers)
             _carry_over(real, stage, _prepared_files(real) if previous is not None else set())
     return meta
 
@@ -194,18 +206,23 @@ def prepare(
 def _prepare_into(stage: Path, files: dict[str, list[Path]], langs: list[str], lines: dict[str, int], *,
                   vocab_size: int, joint: bool, clean: CleanConfig, lang_tags: bool, train_split: str,
                   chunk_size: int, num_threads: int, max_sentences: int, seed: int, disable: bool | None,
-                  workers: int, byte_fallback: bool) -> dict:
-    """Tokenizers, binaries and ``meta.json`` of checked ``files`` written into the empty directory ``stage``."""
-    # 2. tokenizers, trained on the training split
+                  workers: int, byte_fallback: bool, given: Mapping[str, Tokenizer] | None = None) -> dict:
+    """Tokenizers, binaries and ``meta.json`` of checked ``files`` written into the empty directory ``stage``
+    (the ``given`` tokenizers, or ones trained on the training split)."""
+    # 2. tokenizers: given, or trained on the training split
     symbols = [lang_tag(lang) for lang in langs] if lang_tags else []
     train_kw = dict(user_symbols=symbols, max_sentences=max_sentences, num_threads=num_threads, seed=seed,
                     byte_fallback=byte_fallback)
     names = {lang: "spm" if joint else f"spm.{lang}" for lang in langs}
     sources = {name: [p for lang, p in zip(langs, files[train_split]) if names[lang] == name]
                for name in dict.fromkeys(names.values())}
-    for name, paths in sources.items():
-        Tokenizer.train(paths, stage / name, vocab_size, **train_kw)
-    loaded = {name: Tokenizer(stage / f"{name}.model", num_threads=num_threads) for name in sources}
+    if given is None:
+        for name, paths in sources.items():
+            Tokenizer.train(paths, stage / name, vocab_size, **train_kw)
+        loaded = {name: Tokenizer(stage / f"{name}.model", num_threads=num_threads) for name in sources}
+    else:
+        loaded = {name: given[next(lang for lang in langs if names[lang] == name)].save(stage / name)
+                  for name in sources}
     toks: dict[str, Tokenizer] = {lang: loaded[names[lang]] for lang in langs}
     tok_files: dict[str, str] = {lang: f"{names[lang]}.model" for lang in langs}
 
@@ -236,7 +253,7 @@ def _prepare_into(stage: Path, files: dict[str, list[Path]], langs: list[str], l
         "langs": langs,
         "joint": bool(joint),
         "lang_tags": bool(lang_tags),
-        "byte_fallback": bool(byte_fallback),
+        "byte_fallback": all(tok.byte_fallback for tok in toks.values()),
         "tokenizers": tok_files,
         "vocab_size": {lang: toks[lang].vocab_size for lang in langs},
         "splits": splits_meta,

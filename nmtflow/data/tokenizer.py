@@ -202,6 +202,17 @@ class Tokenizer:
             os.replace(f"{tmp_prefix}{ext}", f"{model_prefix}{ext}")
         return cls(f"{model_prefix}.model", num_threads=num_threads)
 
+    def save(self, model_prefix: str | Path) -> "Tokenizer":
+        """Write this model as ``MODEL_PREFIX.model`` (its bytes unchanged, so it encodes exactly alike) and
+        ``MODEL_PREFIX.vocab`` (``piece<TAB>score`` per id, as SentencePiece's trainer writes it); return the
+        tokenizer of the written file."""
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString(self.model_proto)
+        Path(f"{model_prefix}.model").write_bytes(self.model_proto)
+        Path(f"{model_prefix}.vocab").write_text("".join(f"{p.piece}\t{p.score:g}\n" for p in proto.pieces),
+                                                  encoding="utf-8")
+        return type(self)(f"{model_prefix}.model", num_threads=self.num_threads)
+
     # -- encoding -----------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:

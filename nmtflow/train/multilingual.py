@@ -12,7 +12,9 @@ seams filled in for ``data.multilingual``:
   over the supervised directions (the copy directions A→A only if every training direction is one), zero-shot
   ones are only reported;
 * adding a language (``init_checkpoint`` + ``new_langs``): the trained model is loaded and everything but
-  the new languages' encoders and decoders is frozen — the bridge included.
+  the new languages' encoders and decoders is frozen — the bridge included;
+* fine-tuning (``train.init_from``, :mod:`nmtflow.train.finetune`): the model keeps every language of the trained
+  one (a language the data lacks takes its tokenizer from the checkpoint) and trains on the listed directions.
 
 Resume, checkpoints, logging and the schedule of updates are the base trainer's. A multilingual checkpoint
 adds ``multilingual: True``, per-language vocabulary sizes under ``vocab`` and one tokenizer per language.
@@ -50,7 +52,7 @@ log = logging.getLogger("nmtflow.train")
 
 def tag_ids(tokenizers: dict[str, Tokenizer], langs: list[str], where: str) -> dict[str, int]:
     """Ids of the ``<2xx>`` target tags of ``langs`` in a joint vocabulary."""
-    if len({str(t.path) for t in tokenizers.values()}) != 1:
+    if len({t.model_proto for t in tokenizers.values()}) != 1:
         raise ConfigError(f"{where}: a language-label model needs a joint vocabulary (prepare without "
                           "--separate-vocab)")
     tok = next(iter(tokenizers.values()))
@@ -63,11 +65,11 @@ def tag_ids(tokenizers: dict[str, Tokenizer], langs: list[str], where: str) -> d
 def tokenizer_tensors(tokenizers: dict[str, Tokenizer]) -> dict[str, torch.Tensor]:
     """Language → the SentencePiece model's bytes as loaded (not its file now); a joint model is stored once (shared
     tensor)."""
-    by_path: dict[str, torch.Tensor] = {}
+    by_model: dict[bytes, torch.Tensor] = {}
     for tok in tokenizers.values():
-        if str(tok.path) not in by_path:
-            by_path[str(tok.path)] = bytes_tensor(tok.model_proto)
-    return {lang: by_path[str(tok.path)] for lang, tok in tokenizers.items()}
+        if tok.model_proto not in by_model:
+            by_model[tok.model_proto] = bytes_tensor(tok.model_proto)
+    return {lang: by_model[tok.model_proto] for lang, tok in tokenizers.items()}
 
 
 class MultilingualTrainer(Trainer):
@@ -89,24 +91,34 @@ class MultilingualTrainer(Trainer):
         self.uses_tags = model_cls.uses_language_tags
         meta = load_meta(dc.path)
         self.directions, self.zero_shot = plan_directions(meta["langs"], mc)
-        # adding languages: the trained model's languages come from init_checkpoint when the run starts, and from the
-        # run's own checkpoint when it resumes (it holds them all, and the weights that resuming loads): a resumed run
-        # does not need the init file any more
-        init_path = (self.resume_from or mc.init_checkpoint) if mc.init_checkpoint else None
-        self.init_checkpoint = load_checkpoint(init_path) if init_path else None
+        # adding languages (init_checkpoint) or fine-tuning (train.init_from): the trained model's languages come from
+        # that checkpoint when the run starts, and from the run's own checkpoint when it resumes (it holds them all,
+        # and the weights that resuming loads): a resumed run does not need the init file any more
+        if mc.init_checkpoint and tc.init_from:
+            raise ConfigError("train.init_from: fine-tuning and data.multilingual.init_checkpoint (adding languages) "
+                              "both start from a trained model; set one of them")
+        init_path = (self.resume_from or mc.init_checkpoint or tc.init_from) \
+            if mc.init_checkpoint or tc.init_from else None
+        self.init_checkpoint = self.init_source if self.init_source is not None else \
+            load_checkpoint(init_path) if init_path else None
         encoders = {d.src: 0 for d in self.directions}
         decoders = {d.tgt: 0 for d in self.directions}
         if self.init_checkpoint is not None:  # keep every module of the model that languages are added to
             encoders.update(self.init_checkpoint["vocab"].get("encoders", {}))
             decoders.update(self.init_checkpoint["vocab"].get("decoders", {}))
         langs = sorted({*encoders, *decoders, *(lang for d in self.zero_shot for lang in (d.src, d.tgt))})
-        self.tokenizers = {lang: Tokenizer(tokenizer_path(dc.path, meta, lang)) for lang in langs}
-        if self.init_checkpoint is not None:
+        # a language of the trained model that the data lacks (fine-tuning on some directions) keeps its tokenizer
+        saved = (self.init_checkpoint or {}).get("tokenizers", {})
+        self.tokenizers = {lang: Tokenizer(tokenizer_path(dc.path, meta, lang)) if lang in meta["langs"] or
+                           lang not in saved else Tokenizer.from_bytes(saved[lang].numpy().tobytes(), str(init_path),
+                                                                       what=f"its {lang} SentencePiece model")
+                           for lang in langs}
+        if self.init_checkpoint is not None and mc.init_checkpoint:
             self._check_tokenizers(self.init_checkpoint, str(init_path))
         encoders = {lang: self.tokenizers[lang].vocab_size for lang in encoders}
         decoders = {lang: self.tokenizers[lang].vocab_size for lang in decoders}
         self.vocabs = LanguageVocabularies(max(encoders.values()), max(decoders.values()),
-                                           joint=len({str(t.path) for t in self.tokenizers.values()}) == 1,
+                                           joint=len({t.model_proto for t in self.tokenizers.values()}) == 1,
                                            encoders=encoders, decoders=decoders)
         self.src_tok, self.tgt_tok = self.tokenizers[self.directions[0].src], self.tokenizers[self.directions[0].tgt]
         tags = tag_ids(self.tokenizers, langs, dc.path) if self.uses_tags else {}
@@ -129,7 +141,7 @@ class MultilingualTrainer(Trainer):
         """The trained model's languages must keep their tokenizers; adding a language needs per-language ones."""
         for lang, data in ckpt.get("tokenizers", {}).items():
             mine = self.tokenizers.get(lang)
-            if mine is None or same_model(mine.path.read_bytes(), data.numpy().tobytes()):
+            if mine is None or same_model(mine.model_proto, data.numpy().tobytes()):
                 continue
             if (ckpt.get("vocab") or {}).get("joint"):
                 raise ConfigError(f"data.path: the {lang} tokenizer differs from the one in {path}, whose model has a "
@@ -175,7 +187,8 @@ class MultilingualTrainer(Trainer):
             except ValueError as exc:
                 raise ConfigError(f"data.multilingual.zero_shot: {d}: {exc}") from None
         mc = self.config.data.multilingual
-        if self.init_checkpoint is not None and self.resume_from is None:  # resuming loads the run's own weights
+        # adding languages: the trained modules (new ones stay as built); fine-tuning loads all in the base trainer
+        if mc.init_checkpoint and self.resume_from is None:  # resuming loads the run's own weights
             try:
                 _, unexpected = model.load_state_dict(self.init_checkpoint["model"], strict=False)
             except RuntimeError as exc:
@@ -197,6 +210,9 @@ class MultilingualTrainer(Trainer):
     def model_for(self, batch: Batch) -> EncoderDecoder:
         return self.model.pair(batch.src_lang, batch.tgt_lang)  # type: ignore[attr-defined]
 
+    def tokenizer_models(self) -> dict[str, Tokenizer]:
+        return dict(self.tokenizers)
+
     def translator(self, d: Direction, decode: Any = None) -> Translator:
         return Translator(self.model.pair(d.src, d.tgt), self.tokenizers[d.src], self.tokenizers[d.tgt],
                           decode or self.config.decode, self.config, src_prefix=self.prefixes.get(d))
@@ -208,7 +224,7 @@ class MultilingualTrainer(Trainer):
         ckpt["vocab"] = {"src_size": v.src_size, "tgt_size": v.tgt_size, "joint": v.joint,
                          "encoders": dict(v.encoders), "decoders": dict(v.decoders)}
         ckpt["langs"] = {"directions": self.all_directions(), "zero_shot": [str(d) for d in self.zero_shot]}
-        ckpt["tokenizers"] = tokenizer_tensors(self.tokenizers)
+        ckpt["tokenizers"] = tokenizer_tensors(self.tokenizer_models())
         ckpt["multilingual"] = True
         return ckpt
 

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from nmtflow.checkpoint import (FORMAT, integrity_code, load_checkpoint, lock_save_dir, new_run_id,
                                 periodic_checkpoints, remove_interrupted_saves, save_atomic, unlock_save_dir,
                                 write_failure, write_text_atomic)
-from nmtflow.config import CUDA_ONLY_PRECISIONS, Config, ConfigError, to_dict, yaml_dump
+from nmtflow.config import CUDA_ONLY_PRECISIONS, Config, ConfigError, differing_settings, to_dict, yaml_dump
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import check_sentence_lengths, open_bitext, tokenizer_path
 from nmtflow.data.prepare import load_meta
@@ -36,7 +36,7 @@ from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters, position_limits
 from nmtflow.runtime import autocast, cpu_info, keep_freed_memory, use_precision
-from nmtflow.train import distributed
+from nmtflow.train import distributed, finetune
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
 
@@ -115,9 +115,19 @@ class Trainer:
         torch.manual_seed(tc.seed)
         last = self.save_dir / "checkpoint_last.pt"
         self.resume_from: Path | None = last if resume and last.is_file() else None  # set before the seams run
+        # fine-tuning (train/finetune.py): a new run loads the weights of train.init_from; a resumed one its own
+        self.init_source: dict[str, Any] | None = None  # that checkpoint, until its weights are in the model
+        self.init_from: dict[str, Any] | None = None  # where the run started, recorded in its checkpoints
+        if tc.init_from and self.resume_from is None:
+            self.init_source = load_checkpoint(tc.init_from)
+            finetune.check_architecture(self.init_source, tc.init_from, config)
+            self.init_from = finetune.origin(self.init_source, tc.init_from)
 
         self.setup_data()
         self.model: EncoderDecoder = self.create_model().to(self.device)
+        if self.init_source is not None:
+            finetune.initialise(self.model, self.init_source, tc.init_from, config, self.tokenizer_models())
+            self.init_source = None
         self.check_lengths()
         if self.dist.rank > 0:  # each rank draws its own dropout masks; rank 0 keeps the single-process stream
             torch.manual_seed(tc.seed + self.dist.rank)
@@ -137,6 +147,7 @@ class Trainer:
                                   "averaged checkpoint; training resumes only from the checkpoint_last.pt it wrote: "
                                   "start afresh with --restart or another --save-dir")
             self.check_resumable(ckpt, last)
+            self.init_from = ckpt.get("init_from")
             try:
                 self.load_state(ckpt)
             except (RuntimeError, KeyError, ValueError) as exc:  # a model or optimiser of another shape
@@ -215,6 +226,10 @@ class Trainer:
         """The model that runs ``batch`` (the multilingual trainer picks the batch's direction)."""
         return self.model
 
+    def tokenizer_models(self) -> dict[str, Tokenizer]:
+        """The run's tokenizers under the keys of a checkpoint's ``tokenizers`` (``src``, ``tgt``)."""
+        return {"src": self.src_tok, "tgt": self.tgt_tok}
+
     # ---- state ------------------------------------------------------------------------------------
     def checkpoint(self, with_training_state: bool = True) -> dict[str, Any]:
         ckpt: dict[str, Any] = {
@@ -224,12 +239,13 @@ class Trainer:
             "vocab": {"src_size": self.vocabs.src_size, "tgt_size": self.vocabs.tgt_size, "joint": self.vocabs.joint},
             "langs": {"src": self.config.data.src_lang, "tgt": self.config.data.tgt_lang},
             # the models as loaded when the run started, not the files now (a data dir prepared again meanwhile)
-            "tokenizers": {side: bytes_tensor(tok.model_proto) for side, tok in (("src", self.src_tok),
-                                                                                  ("tgt", self.tgt_tok))},
+            "tokenizers": {side: bytes_tensor(tok.model_proto) for side, tok in self.tokenizer_models().items()},
             "progress": vars(self.progress).copy(),
             "world_size": self.dist.world_size,  # the data shards depend on it: resuming needs the same number
             "run_id": self.run_id,
         }
+        if self.init_from is not None:
+            ckpt["init_from"] = dict(self.init_from)
         if with_training_state:
             ckpt["optimizer"] = self.optimizer.state_dict()
             ckpt["scheduler"] = self.scheduler.state_dict()
@@ -251,7 +267,13 @@ class Trainer:
 
     def check_resumable(self, ckpt: dict[str, Any], path: Path) -> None:
         """A one-line :class:`ConfigError` naming ``path`` when its run cannot continue under this config:
-        another number of processes, model type, direction or vocabulary."""
+        another number of processes, model type, direction or vocabulary, or a fine-tuning config (``init_from``)
+        for a run trained from scratch."""
+        init_from = self.config.train.init_from
+        if init_from and not ckpt.get("init_from"):  # e.g. the trained checkpoint copied into the new save dir
+            raise ConfigError(f"{path}: a run trained from scratch, not one fine-tuned from {init_from} "
+                              "(train.init_from, --init-from); give the fine-tuning run a save dir of its own (without "
+                              "checkpoint_last.pt), or start afresh there with --restart")
         world, saved_world = self.dist.world_size, ckpt.get("world_size")
         if saved_world is not None and int(saved_world) != world:
             raise ConfigError(f"{path}: written by a run of {saved_world} process(es) but this run has {world}; "
@@ -665,26 +687,23 @@ RESUMABLE_CHANGES = (
     "train.max_updates", "train.max_epochs", "train.max_minutes", "train.patience", "train.max_bad_updates",
     "train.validate_every", "train.valid_bleu_max_sentences", "train.valid_bleu_tokenize", "train.valid_beam_size",
     "train.save_every", "train.keep_checkpoints", "train.log_every", "train.progress", "data.path",
-    "data.multilingual.init_checkpoint", "decode.")  # (a resumed run takes its weights from its own checkpoint)
+    "data.multilingual.init_checkpoint", "train.init_from",  # (a resumed run takes its weights from its checkpoint)
+    "decode.")
 # saved reasons for a stop that a resume examines again (the budget or patience may have been raised)
 RECHECKED_STOPS = ("reached max_", "early stopping", "interrupted", "stopped after")
 
 
-def changed_settings(saved: dict[str, Any], current: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+def changed_settings(saved: dict[str, Any], current: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(dotted key, saved value, current value) of the settings that differ and may not change on resume.
 
     Keys missing on either side (settings added to nmtflow since the checkpoint was written) are not compared.
     """
-    changed = []
-    for key in saved.keys() & current.keys():
-        name, old, new = f"{prefix}{key}", saved[key], current[key]
-        if name in RESUMABLE_CHANGES or any(name.startswith(s) for s in RESUMABLE_CHANGES if s.endswith(".")):
-            continue
-        if isinstance(old, dict) and isinstance(new, dict):
-            changed += changed_settings(old, new, name + ".")
-        elif old != new and not (isinstance(old, (list, tuple)) and list(old) == list(new or [])):
-            changed.append((name, old, new))
-    return sorted(changed)
+    return differing_settings(saved, current, may_change_on_resume)
+
+
+def may_change_on_resume(name: str) -> bool:
+    """Whether a resumed run may set the dotted config key ``name`` otherwise (:data:`RESUMABLE_CHANGES`)."""
+    return name in RESUMABLE_CHANGES or any(name.startswith(s) for s in RESUMABLE_CHANGES if s.endswith("."))
 
 
 @contextmanager

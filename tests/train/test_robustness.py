@@ -37,10 +37,10 @@ def small_config(data: Path, save_dir: Path, **train: object):
     return config
 
 
-def train_in_process(config) -> Trainer:
+def train_in_process(config, trainer_cls: type[Trainer] = Trainer) -> Trainer:
     threads = torch.get_num_threads()
     try:
-        trainer = Trainer(config)
+        trainer = trainer_cls(config)
         trainer.train()
         return trainer
     finally:

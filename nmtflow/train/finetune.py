@@ -1,0 +1,115 @@
+"""Fine-tuning (domain adaptation): a new run that starts from a trained checkpoint's weights.
+
+``train.init_from`` (``nmtflow train CONFIG --init-from CKPT``) is fairseq's ``--restore-file`` with
+``--reset-optimizer --reset-dataloader --reset-lr-scheduler``: the run has its own save dir, run id, optimiser,
+learning-rate schedule, update counter and data position, and only the model's parameters come from CKPT. Once it
+has written ``checkpoint_last.pt`` it resumes from that like any run (CKPT is not read again). Its checkpoints
+record where it started: ``init_from`` = {``path``, ``run_id`` (the source run's), ``sha256`` (of CKPT's file),
+``update`` (CKPT's update count)}.
+
+What may differ from CKPT is decided here, in :func:`may_change`: everything outside ``model`` (the data and its
+batching, every ``train`` setting — optimiser, schedule, label smoothing, budgets — and decoding), and in ``model``
+only the keys named in :data:`FINE_TUNABLE_MODEL_KEYS` (regularisation and the weight of auxiliary losses, at any
+depth: a language-label model's ``backbone.dropout`` too). Every other model setting defines the architecture
+(sizes, layers, heads, attention variants, embedding tying, positions) and must match; the vocabulary must be
+CKPT's, i.e. the data prepared with ``nmtflow prepare --tokenizer-from CKPT``.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nmtflow.checkpoint import file_sha256
+from nmtflow.config import Config, ConfigError, differing_settings, to_dict
+from nmtflow.data.tokenizer import Tokenizer, same_model
+
+log = logging.getLogger("nmtflow.train")
+
+#: model settings (the last part of a dotted key, at any depth of ``model``) that fine-tuning may change
+FINE_TUNABLE_MODEL_KEYS = frozenset({
+    "preset",  # only a name: the values it stands for are compared
+    "dropout", "attention_dropout", "activation_dropout",
+    "penalty", "penalty_scale", "penalty_batch",  # the attention bridge's penalty (a loss term, not a weight)
+})
+
+
+def may_change(name: str) -> bool:
+    """Whether a fine-tuning run may set the dotted config key ``name`` otherwise than its checkpoint's run."""
+    if name.partition(".")[0] != "model":
+        return True
+    return name != "model" and name.rpartition(".")[2] in FINE_TUNABLE_MODEL_KEYS
+
+
+def origin(ckpt: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """What a fine-tuning run records of the checkpoint it starts from (``init_from`` in its checkpoints)."""
+    run_id = ckpt.get("run_id")
+    update = (ckpt.get("progress") or {}).get("update")
+    return {"path": str(path), "run_id": None if run_id is None else str(run_id), "sha256": file_sha256(path),
+            "update": None if update is None else int(update)}
+
+
+def check_architecture(ckpt: dict[str, Any], path: str | Path, config: Config) -> None:
+    """A one-line :class:`ConfigError` naming ``path`` when ``config``'s model is not the one the checkpoint holds:
+    another kind (bilingual, multilingual), model type, or architecture setting (the first ones named)."""
+    multilingual = config.data.multilingual is not None
+    if bool(ckpt.get("multilingual")) != multilingual:
+        kinds = ("a bilingual", "a multilingual")
+        raise ConfigError(f"{path}: holds {kinds[bool(ckpt.get('multilingual'))]} model but the config trains "
+                          f"{kinds[multilingual]} one (data.multilingual); fine-tune it with a config of its kind")
+    saved = (ckpt.get("config") or {}).get("model") or {}
+    if saved.get("name", config.model.name) != config.model.name:
+        raise ConfigError(f"{path}: holds a {saved['name']!r} model but the config says model.name="
+                          f"{config.model.name!r}; fine-tuning keeps the checkpoint's model")
+    changed = differing_settings({"model": saved}, {"model": to_dict(config.model)}, may_change)
+    if changed:
+        shown = "; ".join(f"{key}: {old!r} → {new!r}" for key, old, new in changed[:4])
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise ConfigError(f"{path}: fine-tuning keeps the checkpoint's architecture, but the config's model differs "
+                          f"({shown}{more}); use the model section it was trained with (its config.yaml): only "
+                          f"{', '.join(sorted(FINE_TUNABLE_MODEL_KEYS - {'preset'}))} may change")
+
+
+def check_tokenizers(ckpt: dict[str, Any], path: str | Path, data_path: str, tokenizers: dict[str, Tokenizer]) -> None:
+    """A one-line :class:`ConfigError` when the data's tokenizers (by the checkpoint's keys: ``src``/``tgt``, or
+    languages) are not the checkpoint's: the token ids would mean other pieces."""
+    saved = ckpt.get("tokenizers") or {}
+    for key, tok in tokenizers.items():
+        if key not in saved:
+            raise ConfigError(f"{path}: has no {key} model; fine-tuning trains the checkpoint's languages (adding one "
+                              "is data.multilingual.new_langs with init_checkpoint)")
+        if not same_model(saved[key].cpu().numpy().tobytes(), tok.model_proto):
+            raise ConfigError(f"{data_path}: prepared with another vocabulary than {path} (its {key} SentencePiece "
+                              f"model differs); prepare the data to fine-tune on with nmtflow prepare --tokenizer-from "
+                              f"{path}")
+
+
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], path: str | Path) -> None:
+    """Copy ``state`` into ``model``: every parameter and buffer, each of the same shape; otherwise a one-line
+    :class:`ConfigError` naming the first missing, unexpected or mis-shaped tensors."""
+    mine = model.state_dict()
+    missing = [name for name in mine if name not in state]
+    unexpected = [name for name in state if name not in mine]
+    shapes = [f"{name} is {tuple(state[name].shape)} there, {tuple(tensor.shape)} here" for name, tensor in mine.items()
+              if name in state and state[name].shape != tensor.shape]
+    problems = [f"{what} {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+                for what, names in (("missing", missing), ("unexpected", unexpected), ("shape:", shapes)) if names]
+    if problems:
+        raise ConfigError(f"{path}: its tensors do not fit this model ({'; '.join(problems)}); fine-tuning needs the "
+                          "checkpoint's model (and, for a model of your own, its code as it was)")
+    model.load_state_dict(state)
+
+
+def initialise(model: torch.nn.Module, ckpt: dict[str, Any], path: str | Path, config: Config,
+               tokenizers: dict[str, Tokenizer]) -> None:
+    """Check the data's ``tokenizers`` against the checkpoint's and load its weights into ``model`` (its
+    architecture was checked before the model was built: :func:`check_architecture`)."""
+    check_tokenizers(ckpt, path, config.data.path, tokenizers)
+    load_weights(model, ckpt["model"], path)
+    langs = ckpt.get("langs") or {}
+    if "src" in langs and (langs.get("src"), langs.get("tgt")) != (config.data.src_lang, config.data.tgt_lang):
+        log.warning("%s: trained %s→%s, fine-tuned %s→%s", path, langs.get("src"), langs.get("tgt"),
+                    config.data.src_lang, config.data.tgt_lang)
+    log.info("fine-tuning: initialised from %s (update %s)", path, (ckpt.get("progress") or {}).get("update"))
