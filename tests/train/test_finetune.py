@@ -126,7 +126,7 @@ def test_tensors_that_do_not_fit_are_named(base: Path, reversal: Path, tmp_path:
 def test_data_of_another_vocabulary_is_refused(base: Path, reversal: Path, tmp_path: Path) -> None:
     raw = reversal.parent / "raw"
     prepare({"train": str(raw / "train"), "valid": str(raw / "valid")}, ["src", "tgt"], tmp_path / "own",
-            vocab_size=50, progress=False)  # its own SentencePiece model
+            vocab_size=50, progress=False, byte_fallback=False)  # its own SentencePiece model
     with pytest.raises(ConfigError, match=r"own: prepared with another vocabulary than .*checkpoint_last\.pt \(its src "
                                           r"SentencePiece model differs\); prepare the data to fine-tune on with "
                                           r"nmtflow prepare --tokenizer-from"):
@@ -191,7 +191,7 @@ def test_a_multilingual_model_fine_tuned_on_one_direction_keeps_all_its_language
 
     generate_corpus(tmp_path / "raw", langs=("en", "de", "fr"), n_train=120, n_valid=4, n_test=2, seed=1)
     prepare({"train": str(tmp_path / "raw" / "train"), "valid": str(tmp_path / "raw" / "valid")}, ["en", "de", "fr"],
-            tmp_path / "data", vocab_size=120, joint=False, progress=False)
+            tmp_path / "data", vocab_size=120, joint=False, progress=False, byte_fallback=False)
     train_in_process(bridge_config(tmp_path / "data", tmp_path / "base", 3), MultilingualTrainer)
     init = tmp_path / "base" / "checkpoint_last.pt"
     source = load_checkpoint(init)
