@@ -164,11 +164,17 @@ def _translator(args: argparse.Namespace):
     d = translator.decode
     for field, value in (("beam_size", args.beam), ("nbest", args.nbest), ("len_penalty", args.lenpen),
                          ("max_len_a", args.max_len_a), ("max_len_b", args.max_len_b),
-                         ("max_tokens", args.batch_tokens)):
+                         ("max_tokens", args.batch_tokens), ("min_len", args.min_len),
+                         ("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p),
+                         ("seed", args.seed)):
         if value is not None:
             setattr(d, field, value)
     if args.greedy:
         d.greedy = True
+    if args.sampling:
+        d.sampling = True
+    if not d.sampling:
+        _refuse(args, SAMPLING_OPTIONS, "applies to sampling only: add --sampling")
     if args.threads:
         import torch
 
@@ -222,14 +228,20 @@ def cmd_translate(args: argparse.Namespace) -> int | None:
     check_search(translator.decode)  # before any input is read: an interactive session fails at once
     interactive = args.input is None and sys.stdin.isatty()
     total = None
+    prefixes = None if args.prefix is None else _read_lines(args.prefix)
+    aligned = {"prefixes": prefixes, "prefix_name": args.prefix}
     if args.input is not None:  # read (and check) the whole input before any output is written
         lines = _read_lines(args.input)
         total = len(lines)
-        results = translator.translate_stream(lines, chunk=1000, name=args.input)
+        if prefixes is not None and len(prefixes) != total:
+            raise ValueError(f"{args.prefix} has {len(prefixes)} lines but {args.input} has {total} (--prefix: one "
+                             "prefix per input line, an empty line for none)")
+        results = translator.translate_stream(lines, chunk=1000, name=args.input, **aligned)
     else:
         if interactive:
             print("nmtflow: type a sentence and press Enter (Ctrl-D to quit)", file=sys.stderr)
-        results = translator.translate_stream(_stdin_lines(), chunk=1 if interactive or args.unbuffered else 1000)
+        results = translator.translate_stream(_stdin_lines(), chunk=1 if interactive or args.unbuffered else 1000,
+                                              **aligned)
     written, interrupted = 0, False
     bar = _progress_bar(translator, total, to_stdout=args.output is None)
     with output_file(args.output) as out, bar:  # stdout without -o
@@ -254,7 +266,9 @@ def cmd_translate(args: argparse.Namespace) -> int | None:
     return None
 
 
-SEARCH_OPTIONS = ("beam", "nbest", "greedy", "lenpen", "max_len_a", "max_len_b")
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "seed")
+SEARCH_OPTIONS = ("beam", "nbest", "greedy", "lenpen", "max_len_a", "max_len_b", "min_len", "sampling",
+                  *SAMPLING_OPTIONS)
 
 
 def _refuse(args: argparse.Namespace, options: Iterable[str], why: str) -> None:
@@ -538,9 +552,18 @@ def _decode_options(p: argparse.ArgumentParser) -> None:
                         "input (distinct piece sequences, which may detokenise alike) unless fewer fit its length "
                         "limit (a vocabulary of a few pieces); an empty input gets one, the empty translation, score 0")
     p.add_argument("--greedy", action="store_true", help="greedy search (one hypothesis: no --nbest above 1)")
+    p.add_argument("--sampling", action="store_true",
+                   help="draw each output token at random instead of searching (back-translation); --nbest N: N "
+                        "independent samples per input, in the order drawn, SCORE their log-probability")
+    p.add_argument("--temperature", type=float, help="sampling: divide the log-probabilities by T (default 1.0)")
+    p.add_argument("--top-k", type=int, help="sampling: only from the K most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=float,
+                   help="sampling: only from the nucleus, the fewest most likely tokens of mass >= P (default 1.0: all)")
+    p.add_argument("--seed", type=int, help="sampling: the same seed draws the same samples (default: a fresh seed)")
     p.add_argument("--lenpen", type=float, help="GNMT length penalty alpha")
     p.add_argument("--max-len-a", type=float, help="output length limit a·|x| + b: a")
     p.add_argument("--max-len-b", type=int, help="output length limit a·|x| + b: b")
+    p.add_argument("--min-len", type=int, help="no output ends before N tokens (the length limit wins; default 0)")
     p.add_argument("--batch-tokens", type=int, help="source tokens per decoding batch")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--threads", type=int, help="CPU threads")
@@ -629,6 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-i", "--input", help="input file (default or -: stdin, line by line)")
     p.add_argument("-o", "--output", help="output file (default or -: stdout)")
     p.add_argument("--unbuffered", action="store_true", help="translate and flush each stdin line at once")
+    p.add_argument("--prefix", metavar="FILE",
+                   help="target prefixes, one per input line (an empty line: none): each translation starts with its "
+                        "line's prefix and the search continues after it")
 
     p = sub.add_parser("evaluate", help="sacreBLEU BLEU, chrF, chrF++, TER (of a file, or of a checkpoint's "
                        "translations)")

@@ -21,7 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Iterator, Union
 
 import yaml
 
@@ -291,21 +291,56 @@ class DecodeConfig:
     """Search settings shared by `translate`, validation BLEU and `quickstart`."""
 
     beam_size: int = 5
-    nbest: int = 1
+    nbest: int = 1  # hypotheses per input (beam search: at most beam_size); with sampling, samples per input
     len_penalty: float = 0.6  # GNMT alpha: score / ((5 + |y|) / 6) ** alpha
     max_len_a: float = 1.5  # output length limit a * |x| + b
     max_len_b: int = 10
+    min_len: int = 0  # no EOS before this many output tokens (the length limit wins)
     max_input_tokens: int = 512  # longer inputs are truncated (with a warning)
     max_tokens: int = 6000  # source tokens per decoding batch
     greedy: bool = False
+    sampling: bool = False  # draw outputs at random (e.g. back-translation) instead of searching
+    temperature: float = 1.0  # sampling: the model's log-probabilities are divided by it
+    top_k: int = 0  # sampling: only from the k most likely tokens (0: all)
+    top_p: float = 1.0  # sampling: only from the nucleus of this probability mass (1.0: all)
+    seed: int | None = None  # sampling: the same seed draws the same samples (null: a fresh random seed)
+
+    SAMPLING_ONLY: ClassVar[dict[str, Any]] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None}
+
+    def search_problems(self) -> Iterator[tuple[str, str]]:
+        """(key, what is wrong) for each out-of-range ``min_len`` or sampling setting, for messages in the config's
+        terms (:meth:`validate`) or the command line's (``nmtflow.decode.translate.check_search``)."""
+        if self.min_len < 0:
+            yield "min_len", f"must be >= 0, got {self.min_len}"
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            yield "temperature", f"must be a number > 0, got {self.temperature}"
+        if self.top_k < 0:
+            yield "top_k", f"must be >= 0 (0: no top-k filtering), got {self.top_k}"
+        if not 0 <= self.top_p <= 1:
+            yield "top_p", f"must be between 0 and 1 (1.0: no nucleus filtering), got {self.top_p}"
+        if self.seed is not None and self.seed < 0:
+            yield "seed", f"must be >= 0 (or null: a fresh random seed), got {self.seed}"
+        if self.sampling and self.greedy:
+            yield "sampling", ("draws tokens at random, greedy search takes the most likely one: set only one "
+                               "of sampling and greedy")
 
     def validate(self, where: str) -> None:
         for name in ("beam_size", "nbest", "max_input_tokens", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.nbest > self.beam_size:
-            raise ConfigError(f"{where}.nbest: {self.nbest} is more than beam_size {self.beam_size} (beam search keeps "
-                              "at most beam_size hypotheses)")
+        for name, problem in self.search_problems():
+            raise ConfigError(f"{where}.{name}: {problem}")
+        if not self.sampling:
+            for name, default in self.SAMPLING_ONLY.items():
+                if getattr(self, name) != default:
+                    raise ConfigError(f"{where}.{name}: {getattr(self, name)} applies to sampling only (set "
+                                      f"sampling: true, or leave {name} at {default})")
+            if self.nbest > self.beam_size:
+                raise ConfigError(f"{where}.nbest: {self.nbest} is more than beam_size {self.beam_size} (beam search "
+                                  "keeps at most beam_size hypotheses)")
+            if self.nbest > 1 and self.greedy:
+                raise ConfigError(f"{where}.nbest: {self.nbest} with greedy: true (greedy search finds one "
+                                  "translation; an n-best list needs beam search, or samples need sampling: true)")
         for name in ("len_penalty", "max_len_a"):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{where}.{name}: must be a finite number, got {getattr(self, name)}")

@@ -4,11 +4,14 @@
 Scores are length-normalised with the GNMT penalty (Wu et al. 2016, Eq. 14):
 ``s(Y) = log P(Y|X) / lp(Y)``, ``lp(Y) = ((5 + |Y|) / 6) ** alpha``, |Y| counting the final EOS.
 Finished sentences are pruned from the batch, so a batch costs what its longest *unfinished* output costs.
+Every search honours ``min_len`` and a forced target prefix per sentence (``prefixes``: the output starts with
+it, the search continues after it); :func:`sample_search` draws outputs at random (back-translation).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +40,55 @@ def max_output_lengths(src: Tensor, a: float, b: int, limit: int) -> Tensor:
     """Per-sentence output limit ``a·|x| + b`` (EOS excluded), capped at ``limit``."""
     src_len = src.ne(PAD).sum(1)
     return (src_len.float() * a + b).long().clamp(min=1, max=limit)
+
+
+def prefix_tensor(prefixes: list[list[int]] | None, n: int, limit: int, device: torch.device) -> Tensor | None:
+    """Per-sentence forced output prefixes as an (n, P) tensor right-padded with PAD (None: no sentence has one);
+    a prefix longer than ``limit`` (the output tokens the decoder can write) is a ValueError."""
+    if prefixes is None or not any(prefixes):
+        return None
+    if len(prefixes) != n:
+        raise ValueError(f"{len(prefixes)} prefixes for {n} sentences")
+    longest = max(len(p) for p in prefixes)
+    if longest > limit:
+        raise ValueError(f"a prefix of {longest} tokens; the model writes at most {limit}")
+    forced = torch.full((n, longest), PAD, dtype=torch.long)
+    for i, p in enumerate(prefixes):
+        forced[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+    return forced.to(device)
+
+
+def _limits(model: EncoderDecoder, src: Tensor, a: float, b: int, forced: Tensor | None) -> Tensor:
+    """Each sentence's output limit: ``a·|x| + b``, raised to hold its forced prefix, capped at the decoder's."""
+    limit = decoder_limit(model)
+    max_lens = max_output_lengths(src, a, b, limit)
+    if forced is None:
+        return max_lens
+    return torch.maximum(max_lens, forced.ne(PAD).sum(1)).clamp(max=limit)
+
+
+def constrain(lprobs: Tensor, step: int, at_limit: Tensor, min_len: int, forced: Tensor | None) -> Tensor:
+    """In place on step ``step``'s log-probabilities (rows, V): never PAD or BOS; no EOS before ``min_len``; only
+    the row's prefix token while it is in its forced prefix (``forced`` (rows,) that token, PAD: none); only EOS
+    at the length limit (``at_limit`` (rows,) bool), which wins over ``min_len``. Allowed tokens keep their
+    model log-probabilities."""
+    lprobs[:, PAD] = float("-inf")
+    lprobs[:, BOS] = float("-inf")
+    if step < min_len:  # the length limit wins: a hypothesis at its limit still ends with its real EOS
+        lprobs[~at_limit, EOS] = float("-inf")
+    if forced is not None:
+        columns = torch.arange(lprobs.size(-1), device=lprobs.device)
+        lprobs.masked_fill_(forced.ne(PAD)[:, None] & columns.ne(forced[:, None]), float("-inf"))
+    if at_limit.any():
+        eos = lprobs[:, EOS].clone()
+        lprobs.masked_fill_(at_limit[:, None], float("-inf"))
+        lprobs[:, EOS] = eos
+    return lprobs
+
+
+def _forced_step(forced: Tensor | None, rows: Tensor, step: int) -> Tensor | None:
+    """The prefix token of each of ``rows`` (sentences) at ``step`` (PAD: none), or None past every prefix."""
+    return forced[rows, step] if forced is not None and step < forced.size(1) else None
 
 
 def _reorder_state(state: State, rows: Tensor, sentences_changed: bool) -> State:
@@ -78,7 +130,7 @@ def top_candidates(scores: Tensor, count: int) -> tuple[Tensor, Tensor]:
     return values, best.gather(1, pos // size) * size + pos % size
 
 
-def _decoder_limit(model: EncoderDecoder) -> int:
+def decoder_limit(model: EncoderDecoder) -> int:
     """Most output tokens (EOS excluded): BOS and P − 1 tokens fill the P positions, as in training."""
     return int(getattr(model.config, "max_positions", 1024)) - 1
 
@@ -86,17 +138,20 @@ def _decoder_limit(model: EncoderDecoder) -> int:
 @torch.inference_mode()  # no autograd bookkeeping at all: ~4% faster than no_grad on a 2-core CPU
 def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_penalty: float = 0.6,
                 max_len_a: float = 1.5, max_len_b: int = 10, nbest: int = 1, min_len: int = 0,
-                enc: EncoderOut | None = None) -> list[list[Hypothesis]]:
+                enc: EncoderOut | None = None, prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
     """src (B,S) → for each sentence its ``nbest`` hypotheses, best first.
 
     A sentence finishes once ``beam_size`` hypotheses have ended in EOS (the search then stops for it);
     at its length limit every live hypothesis is forced to end (even before ``min_len``: the limit wins).
+    ``prefixes`` (one id list per sentence, [] for none): each output starts with its sentence's prefix, which
+    counts in its score and length; the length limit is raised to hold it.
     """
     if beam_size < 1 or not 1 <= nbest <= beam_size:
         raise ValueError(f"need 1 <= nbest ({nbest}) <= beam_size ({beam_size})")
     n, k, device = src.size(0), beam_size, src.device
     enc = model.encode(src) if enc is None else enc
-    max_lens = max_output_lengths(src, max_len_a, max_len_b, _decoder_limit(model))
+    forced = prefix_tensor(prefixes, n, decoder_limit(model), device)  # (n, P) | None
+    max_lens = _limits(model, src, max_len_a, max_len_b, forced)
     state: State = {}
     width = 1  # live hypotheses per sentence in the tensors: 1 at step 0 (all beams are equal), then K
     tokens = torch.full((n, 1), BOS, dtype=torch.long, device=device)  # (n·width, t)
@@ -108,15 +163,10 @@ def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_p
         logits = model.decode(tokens[:, -1:], enc, state)[:, -1]
         lprobs = F.log_softmax(logits.float(), dim=-1)  # (n·width, V)
         vocab = lprobs.size(-1)
-        lprobs[:, PAD] = float("-inf")
-        lprobs[:, BOS] = float("-inf")
         at_limit = (max_lens <= step).repeat_interleave(width)  # (n·width,)
-        if step < min_len:  # the length limit wins: a hypothesis at its limit still ends with its real EOS
-            lprobs[~at_limit, EOS] = float("-inf")
-        if at_limit.any():
-            eos_only = torch.full_like(lprobs[0], float("-inf"))
-            eos_only[EOS] = 0.0
-            lprobs[at_limit] = eos_only + lprobs[at_limit][:, EOS:EOS + 1]
+        step_forced = _forced_step(forced, sentence_ids, step)  # (n,) | None
+        constrain(lprobs, step, at_limit, min_len,
+                  None if step_forced is None else step_forced.repeat_interleave(width))
         cand = lprobs.add_(scores.view(-1, 1)).view(n, width * vocab)  # (n, width·V)
         top_scores, top_idx = top_candidates(cand, min(2 * k, width * vocab))  # (n, 2K)
         if top_scores.size(1) < 2 * k:  # a beam wider than the vocabulary: pad with dead (-inf) candidates
@@ -154,42 +204,99 @@ def beam_search(model: EncoderDecoder, src: Tensor, *, beam_size: int = 5, len_p
 
 @torch.inference_mode()
 def greedy_search(model: EncoderDecoder, src: Tensor, *, max_len_a: float = 1.5, max_len_b: int = 10,
-                  min_len: int = 0, len_penalty: float = 0.6) -> list[Hypothesis]:
-    """Arg-max decoding with the same length limits as :func:`beam_search` (beam 1 gives the same output);
-    scores are length-normalised as there (``len_penalty`` does not change the output)."""
+                  min_len: int = 0, len_penalty: float = 0.6,
+                  prefixes: list[list[int]] | None = None) -> list[Hypothesis]:
+    """Arg-max decoding with the same length limits, ``min_len`` and ``prefixes`` as :func:`beam_search` (beam 1
+    gives the same output); scores are length-normalised as there (``len_penalty`` does not change the output)."""
+    found = _sequential_search(model, src, lambda lprobs: lprobs.argmax(-1), copies=1, max_len_a=max_len_a,
+                               max_len_b=max_len_b, min_len=min_len, prefixes=prefixes)
+    return [Hypothesis(o, lp / length_penalty(len(o) + 1, len_penalty), lp) for o, lp in found]
+
+
+def sampling_distribution(lprobs: Tensor, *, temperature: float = 1.0, top_k: int = 0,
+                          top_p: float = 1.0) -> Tensor:
+    """Log-probabilities (rows, V) → the log-weights sampling draws from: ``lprobs / temperature``, then only the
+    ``top_k`` most likely tokens (0: all), then only the nucleus (Holtzman et al. 2020): the fewest most likely
+    tokens whose probability (after temperature and top-k) sums to at least ``top_p`` (1.0: all; the most likely
+    token always stays). Tokens left out get −inf; the rest are not renormalised (a softmax of the result is)."""
+    weights = lprobs / temperature
+    if 0 < top_k < weights.size(-1):
+        kth = weights.topk(top_k, dim=-1).values[:, -1:]
+        weights = weights.masked_fill(weights < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_w, order = weights.sort(dim=-1, descending=True)
+        probs = sorted_w.softmax(-1)
+        before = probs.cumsum(-1) - probs  # the mass of the tokens ranked above each
+        drop = before >= top_p
+        drop[:, 0] = False
+        weights = weights.scatter(-1, order, sorted_w.masked_fill(drop, float("-inf")))
+    return weights
+
+
+def draw(weights: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row (rows,) from softmax(``weights``) (rows, V), by the Gumbel-max trick: argmax of
+    ``weights`` + Gumbel noise (−inf weights are never drawn; a NaN row gives an arbitrary token, not an error)."""
+    uniform = torch.rand(weights.shape, generator=generator, device=weights.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(uniform.dtype).tiny)))
+    return (weights + gumbel).argmax(-1)
+
+
+@torch.inference_mode()
+def sample_search(model: EncoderDecoder, src: Tensor, *, nbest: int = 1, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+                  max_len_a: float = 1.5, max_len_b: int = 10, min_len: int = 0,
+                  prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+    """src (B,S) → ``nbest`` independent samples per sentence, in the order drawn (duplicates possible): each
+    token from :func:`sampling_distribution` of the model's, with the length limits, ``min_len`` and ``prefixes``
+    of :func:`beam_search`. All B·nbest samples decode as one batch (one forward per step). A sample's score and
+    logprob are its model log-probability log P(y|x) (EOS included), not a length-normalised score and not
+    under the temperature; ``generator`` (on src's device) makes the draws reproducible."""
+    def choose(lprobs: Tensor) -> Tensor:
+        return draw(sampling_distribution(lprobs, temperature=temperature, top_k=top_k, top_p=top_p), generator)
+
+    found = _sequential_search(model, src, choose, copies=nbest, max_len_a=max_len_a, max_len_b=max_len_b,
+                               min_len=min_len, prefixes=prefixes)
+    hyps = [Hypothesis(o, lp, lp) for o, lp in found]
+    return [hyps[i:i + nbest] for i in range(0, len(hyps), nbest)]
+
+
+def _sequential_search(model: EncoderDecoder, src: Tensor, choose: Callable[[Tensor], Tensor], *, copies: int,
+                       max_len_a: float, max_len_b: int, min_len: int,
+                       prefixes: list[list[int]] | None) -> list[tuple[list[int], float]]:
+    """One token per row and step, picked by ``choose`` from the constrained log-probabilities (rows, V), for
+    ``copies`` rows per sentence (sentence i's are rows i·copies ...); finished rows are pruned. Returns each
+    row's (tokens without EOS, log P(y|x) with EOS)."""
     n, device = src.size(0), src.device
     enc = model.encode(src)
-    max_lens = max_output_lengths(src, max_len_a, max_len_b, _decoder_limit(model))
+    forced = prefix_tensor(prefixes, n, decoder_limit(model), device)  # (n, P) | None
+    max_lens = _limits(model, src, max_len_a, max_len_b, forced)
+    sentence = torch.arange(n, device=device).repeat_interleave(copies)  # (rows,) each live row's sentence
+    if copies > 1:
+        enc = reorder(enc, sentence)
+    rows = n * copies
     state: State = {}
-    last = torch.full((n, 1), BOS, dtype=torch.long, device=device)
-    alive = torch.arange(n, device=device)
+    last = torch.full((rows, 1), BOS, dtype=torch.long, device=device)
+    alive = torch.arange(rows, device=device)
     steps = int(max_lens.max()) + 1
-    out = torch.full((n, steps), EOS, dtype=torch.long, device=device)  # each sentence's picks, EOS after its end
-    logprob = torch.zeros(n, dtype=torch.float32 if device.type == "mps" else torch.float64,  # (MPS: no float64)
+    out = torch.full((rows, steps), EOS, dtype=torch.long, device=device)  # each row's picks, EOS after its end
+    logprob = torch.zeros(rows, dtype=torch.float32 if device.type == "mps" else torch.float64,  # (MPS: no float64)
                           device=device)
     for step in range(steps):
         lprobs = F.log_softmax(model.decode(last, enc, state)[:, -1].float(), dim=-1)
-        lprobs[:, PAD] = float("-inf")
-        lprobs[:, BOS] = float("-inf")
-        at_limit = max_lens[alive] <= step
-        if step < min_len:  # the length limit wins over min_len, as in beam_search
-            lprobs[~at_limit, EOS] = float("-inf")
-        best_lp, best = lprobs.max(-1)
-        best = torch.where(at_limit, torch.full_like(best, EOS), best)
-        best_lp = torch.where(best.eq(EOS), lprobs[:, EOS], best_lp)
+        at_limit = max_lens[sentence] <= step
+        constrain(lprobs, step, at_limit, min_len, _forced_step(forced, sentence, step))
+        best = torch.where(at_limit, EOS, choose(lprobs))
         out[alive, step] = best
-        logprob.index_add_(0, alive, best_lp.to(logprob.dtype))
+        logprob.index_add_(0, alive, lprobs.gather(1, best[:, None]).squeeze(1).to(logprob.dtype))
         keep = best.ne(EOS).nonzero().squeeze(1)
         if keep.numel() == 0:
             break
         if keep.numel() != alive.numel():
             enc, state = reorder(enc, keep), reorder(state, keep)
-            alive = alive[keep]
+            alive, sentence = alive[keep], sentence[keep]
         last = best[keep].view(-1, 1)
-    lengths = out.ne(EOS).sum(1).tolist()  # tokens before each sentence's EOS (none is EOS but the last)
-    outputs = [row[:length] for row, length in zip(out.tolist(), lengths)]
-    logprob = logprob.tolist()
-    return [Hypothesis(o, lp / length_penalty(len(o) + 1, len_penalty), lp) for o, lp in zip(outputs, logprob)]
+    lengths = out.ne(EOS).sum(1).tolist()  # tokens before each row's EOS (none is EOS but the last)
+    return [(row[:length], lp) for row, length, lp in zip(out.tolist(), lengths, logprob.tolist())]
 
 
 @torch.no_grad()

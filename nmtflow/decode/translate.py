@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import logging
 import math
 import os
@@ -13,13 +14,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TextIO
 
+import numpy as np
 import torch
 
 from nmtflow.checkpoint import CheckpointError, load_checkpoint, model_mismatch, write_failure
 from nmtflow.config import Config, DecodeConfig, config_from_dict
 from nmtflow.data.batching import collate
 from nmtflow.data.tokenizer import Tokenizer
-from nmtflow.decode.search import Hypothesis, beam_search, greedy_search, sequence_logprobs
+from nmtflow.decode.search import (Hypothesis, beam_search, decoder_limit, greedy_search, sample_search,
+                                   sequence_logprobs)
 from nmtflow.decode.unknowns import UnknownTally
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, position_limits
 from nmtflow.runtime import new_file_mode
@@ -118,16 +121,25 @@ def source_positions(model: EncoderDecoder) -> int | None:
     return position_limits(model.config)[0]
 
 
+FLAGS = {"min_len": "--min-len", "sampling": "--sampling", "temperature": "--temperature", "top_k": "--top-k",
+         "top_p": "--top-p", "seed": "--seed"}  # decode keys → translate's options
+
+
 def check_search(d: DecodeConfig) -> None:
     """A ValueError naming the option for search settings that cannot give what they ask for: an n-best list holds
-    at most ``beam_size`` hypotheses, and greedy search finds one."""
+    at most ``beam_size`` hypotheses, greedy search finds one, sampling does not search (and no greedy with it)."""
     for name, flag, value in (("beam_size", "--beam", d.beam_size), ("nbest", "--nbest", d.nbest),
                               ("max_tokens", "--batch-tokens", d.max_tokens)):
         if value < 1:
             raise ValueError(f"{flag} {value} (decode.{name}): must be >= 1")
+    for name, problem in d.search_problems():
+        raise ValueError(f"{FLAGS[name]} (decode.{name}): {problem}")
+    if d.sampling:
+        return
     if d.nbest > 1 and d.greedy:
         raise ValueError(f"--nbest {d.nbest} (decode.nbest) with --greedy (decode.greedy): greedy search finds one "
-                         f"translation; an n-best list needs beam search with --beam >= {d.nbest}")
+                         f"translation; an n-best list needs beam search with --beam >= {d.nbest} (or samples: "
+                         "--sampling)")
     if d.nbest > d.beam_size:
         raise ValueError(f"--nbest {d.nbest} (decode.nbest) is more than --beam {d.beam_size} (decode.beam_size): "
                          f"beam search keeps at most beam-size hypotheses; give --beam {d.nbest} or more")
@@ -139,6 +151,32 @@ def refuse_str(sentences: Any, where: str) -> None:
     if isinstance(sentences, (str, bytes)):
         raise TypeError(f"{where}: expected a list of sentences, got a {type(sentences).__name__} (pass [sentence]; "
                         "or use nmtflow.load(...), whose translate and score take one str)")
+
+
+def sampling_generator(d: DecodeConfig, device: torch.device, first_line: int = 1) -> torch.Generator | None:
+    """The random stream sampling draws from (None without ``d.sampling``): seeded by ``d.seed`` and
+    ``first_line`` (so the chunks of one input draw differently, and the same input and settings the same),
+    or by a fresh random seed where ``d.seed`` is None."""
+    if not d.sampling:
+        return None
+    generator = torch.Generator(device=device)
+    if d.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(int(np.random.SeedSequence([d.seed, first_line]).generate_state(1, np.uint64)[0]))
+    return generator
+
+
+def _aligned(lines: Iterable[str], prefixes: Iterable[str], name: str,
+             prefix_name: str) -> Iterator[tuple[str, str]]:
+    """(line, prefix) pairs; a line without a prefix, or a prefix without a line, is a ValueError naming both."""
+    sentinel = object()
+    for n, (line, prefix) in enumerate(itertools.zip_longest(lines, prefixes, fillvalue=sentinel), 1):
+        if line is sentinel or prefix is sentinel:
+            raise ValueError(f"{prefix_name}: {n - 1 if prefix is sentinel else 'more than ' + str(n - 1)} "
+                             f"prefixes for {'more than ' + str(n - 1) if prefix is sentinel else n - 1} input "
+                             f"lines of {name} (one per input line, an empty one for none)")
+        yield line, prefix  # type: ignore[misc]
 
 
 @dataclass
@@ -213,43 +251,80 @@ class Translator:
                 ids[n] = seq[:limit]
         return ids
 
-    def search(self, src: torch.Tensor) -> list[list[Hypothesis]]:
+    def search(self, src: torch.Tensor, *, prefixes: list[list[int]] | None = None,
+               generator: torch.Generator | None = None) -> list[list[Hypothesis]]:
         """src (B,S) → each sentence's ``decode.nbest`` hypotheses, best first: exactly that many wherever that many
-        distinct outputs fit its length limit (fewer only where they do not, e.g. a vocabulary of a few pieces)."""
+        distinct outputs fit its length limit (fewer only where they do not, e.g. a vocabulary of a few pieces).
+        With ``decode.sampling``, ``nbest`` samples each, in the order drawn from ``generator``. ``prefixes``: a
+        forced target prefix (ids) per sentence, [] for none."""
         d = self.decode
         check_search(d)
+        limits = dict(max_len_a=d.max_len_a, max_len_b=d.max_len_b, min_len=d.min_len, prefixes=prefixes)
+        if d.sampling:
+            return sample_search(self.model, src, nbest=d.nbest, temperature=d.temperature, top_k=d.top_k,
+                                 top_p=d.top_p, generator=generator, **limits)
         if d.greedy or (d.beam_size == 1 and d.nbest == 1):
-            return [[h] for h in greedy_search(self.model, src, max_len_a=d.max_len_a, max_len_b=d.max_len_b,
-                                               len_penalty=d.len_penalty)]
-        return beam_search(self.model, src, beam_size=d.beam_size, len_penalty=d.len_penalty,
-                           max_len_a=d.max_len_a, max_len_b=d.max_len_b, nbest=d.nbest)
+            return [[h] for h in greedy_search(self.model, src, len_penalty=d.len_penalty, **limits)]
+        return beam_search(self.model, src, beam_size=d.beam_size, len_penalty=d.len_penalty, nbest=d.nbest,
+                           **limits)
 
     @torch.no_grad()
-    def translate_ids(self, sources: list[list[int]]) -> list[list[Hypothesis]]:
+    def translate_ids(self, sources: list[list[int]], *, prefixes: list[list[int]] | None = None,
+                      first_line: int = 1) -> list[list[Hypothesis]]:
         """Id sequences (no EOS) → n-best hypotheses, in input order, at least one each: an empty input gets the empty
-        output (score 0), and so does an input the model scores NaN (diverged, or overflowing), with score NaN."""
+        output (score 0; with a prefix, just the prefix), and so does an input the model scores NaN (diverged, or
+        overflowing), with score NaN. ``prefixes``: a forced target prefix (ids) per input, [] for none;
+        ``first_line`` seeds sampling's random stream with ``decode.seed`` (:func:`sampling_generator`)."""
         check_search(self.decode)  # before any work, even where every input is empty
-        results: list[list[Hypothesis]] = [[Hypothesis([], 0.0, 0.0)] for _ in sources]
+        if prefixes is not None and len(prefixes) != len(sources):
+            raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} inputs (one per input, [] for none)")
+        forced = prefixes or [[] for _ in sources]
+        results: list[list[Hypothesis]] = [[Hypothesis(list(p), 0.0, 0.0)] for p in forced]
         nonempty = [i for i, s in enumerate(sources) if s]
         lengths = [len(sources[i]) for i in nonempty]
         if self.progress and len(nonempty) < len(sources):
             self.progress(len(sources) - len(nonempty))
+        generator = sampling_generator(self.decode, self.device, first_line)
         for batch in batches_by_length(lengths, self.decode.max_tokens):
             rows = [nonempty[b] for b in batch]
             src = collate([sources[r] for r in rows], [[]] * len(rows), src_prefix=self.src_prefix).src
-            for r, hyps in zip(rows, self.search(src.to(self.device))):
+            found = self.search(src.to(self.device), prefixes=[forced[r] for r in rows] if prefixes else None,
+                                generator=generator)
+            for r, hyps in zip(rows, found):
                 results[r] = hyps or [Hypothesis([], math.nan, math.nan)]  # beam search keeps no NaN-scored one
             if self.progress:
                 self.progress(len(rows))
         return results
 
-    def translate(self, lines: list[str], *, first_line: int = 1,
-                  name: str | None = None) -> list[list[tuple[str, float]]]:
+    def encode_prefixes(self, prefixes: list[str], *, first_line: int = 1,
+                        name: str | None = None) -> list[list[int]]:
+        """Target prefixes (text; "" for none) → target ids; one longer than the model writes is a ValueError
+        naming its line (``name``: the prefixes' file, if any)."""
+        ids = self.tgt_tokenizer.encode_batch(prefixes)
+        limit = decoder_limit(self.model)
+        for n, seq in enumerate(ids):
+            if len(seq) > limit:
+                line = first_line + n
+                raise ValueError(f"{f'{name}:{line}: ' if name else ''}prefix line {line} has {len(seq)} tokens; "
+                                 f"the model writes at most {limit}")
+        return ids
+
+    def translate(self, lines: list[str], *, first_line: int = 1, name: str | None = None,
+                  prefixes: list[str] | None = None, prefix_name: str | None = None) -> list[list[tuple[str, float]]]:
         """Sentences → n-best (detokenised text, score) lists, in input order (``first_line``, ``name``: where
-        ``lines`` come from, for truncation warnings and the ValueError for a line the model scores NaN); a bare
-        ``str`` is a TypeError."""
+        ``lines`` come from, for truncation warnings and the ValueError for a line the model scores NaN).
+        ``prefixes``: one target prefix per line ("" for none) each translation starts with (``prefix_name``: their
+        file, for errors); a count other than the lines' is a ValueError. A bare ``str`` is a TypeError."""
         refuse_str(lines, "Translator.translate")
-        hyps = self.translate_ids(self.encode_source(lines, first_line=first_line, name=name))
+        forced = None
+        if prefixes is not None:
+            if len(prefixes) != len(lines):
+                raise ValueError(f"{f'{prefix_name}: ' if prefix_name else ''}{len(prefixes)} prefixes for "
+                                 f"{len(lines)} input lines{f' of {name}' if name else ''} (one per input line, "
+                                 "an empty one for none)")
+            forced = self.encode_prefixes(prefixes, first_line=first_line, name=prefix_name)
+        hyps = self.translate_ids(self.encode_source(lines, first_line=first_line, name=name), prefixes=forced,
+                                  first_line=first_line)
         for n, nbest in enumerate(hyps):
             if math.isnan(nbest[0].logprob):
                 line = first_line + n
@@ -257,25 +332,36 @@ class Translator:
                                  "no translation (a diverged checkpoint, or one overflowing at this precision?)")
         return [[(self.tgt_tokenizer.decode(h.tokens), h.score) for h in nbest] for nbest in hyps]
 
-    def translate_stream(self, lines: Iterable[str], chunk: int = 1000, *,
-                         name: str | None = None) -> Iterator[list[tuple[str, float]]]:
+    def translate_stream(self, lines: Iterable[str], chunk: int = 1000, *, name: str | None = None,
+                         prefixes: Iterable[str] | None = None,
+                         prefix_name: str | None = None) -> Iterator[list[tuple[str, float]]]:
         """Translate an iterable chunk by chunk (``chunk=1`` answers each line as it arrives); warnings name
-        the line of the whole input (and ``name``, the input's file); pieces unknown to the source vocabulary get one
-        warning for the whole input, when it ends."""
+        the line of the whole input (and ``name``, the input's file). ``prefixes``: one target prefix per line
+        ("" for none; ``prefix_name``: their file); running out of either before the other is a ValueError. Pieces
+        unknown to the source vocabulary get one warning for the whole input, when it ends."""
         refuse_str(lines, "Translator.translate_stream")
+        pairs: Iterable[tuple[str, str | None]]
+        if prefixes is None:
+            pairs = ((line, None) for line in lines)
+        else:
+            pairs = _aligned(lines, prefixes, name or "the input", prefix_name or "the prefixes")
         buf: list[str] = []
+        forced: list[str] = []
         first_line = 1
         tally, outer = UnknownTally(), self.unknowns
         self.unknowns = outer or tally
         try:
-            for line in lines:
+            for line, prefix in pairs:
                 buf.append(line.rstrip("\r\n"))
+                forced.append((prefix or "").rstrip("\r\n"))
                 if len(buf) >= chunk:
-                    yield from self.translate(buf, first_line=first_line, name=name)
+                    yield from self.translate(buf, first_line=first_line, name=name,
+                                              prefixes=None if prefixes is None else forced, prefix_name=prefix_name)
                     first_line += len(buf)
-                    buf = []
+                    buf, forced = [], []
             if buf:
-                yield from self.translate(buf, first_line=first_line, name=name)
+                yield from self.translate(buf, first_line=first_line, name=name,
+                                          prefixes=None if prefixes is None else forced, prefix_name=prefix_name)
         finally:
             self.unknowns = outer
             tally.warn(name)  # nothing counted in it where an outer tally was set

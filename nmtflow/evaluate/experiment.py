@@ -164,6 +164,7 @@ class DecodeSettings:
     len_penalty: float | None = None
     max_len_a: float | None = None
     max_len_b: int | None = None
+    min_len: int | None = None  # no output ends before this many tokens
     greedy: bool | None = None
     max_tokens: int | None = None  # source tokens per decoding batch
     max_sentences: int | None = None  # decode only the first N sentences of each test set
@@ -173,13 +174,13 @@ class DecodeSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{where}.{name}: must be >= 1 (or null), got {value}")
-        for name in ("max_len_a", "max_len_b"):
+        for name in ("max_len_a", "max_len_b", "min_len"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"{where}.{name}: must be >= 0 (or null), got {value}")
 
     def search_overrides(self) -> dict[str, Any]:
-        keys = ("beam_size", "len_penalty", "max_len_a", "max_len_b", "greedy", "max_tokens")
+        keys = ("beam_size", "len_penalty", "max_len_a", "max_len_b", "min_len", "greedy", "max_tokens")
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 

@@ -286,7 +286,7 @@ class MultilingualTrainer(Trainer):
         valid: MultiBitext = self.valid_data  # type: ignore[assignment]
         tc = self.config.train
         decode = dataclasses.replace(self.config.decode, beam_size=tc.valid_beam_size, nbest=1,
-                                     greedy=tc.valid_beam_size == 1)
+                                     greedy=tc.valid_beam_size == 1, sampling=False)  # BLEU of the search
         self.model.eval()
         scores: dict[str, float] = {}
         mine: list[list[str]] = []  # this rank's share of each direction's hypotheses (DDP: gathered below)

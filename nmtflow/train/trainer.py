@@ -574,7 +574,8 @@ class Trainer:
         n = len(self.valid_data) if tc.valid_bleu_max_sentences is None else min(len(self.valid_data),
                                                                                tc.valid_bleu_max_sentences)
         decode = type(self.config.decode)(**{**vars(self.config.decode), "beam_size": tc.valid_beam_size,
-                                             "nbest": 1, "greedy": tc.valid_beam_size == 1})
+                                             "nbest": 1, "greedy": tc.valid_beam_size == 1,
+                                             "sampling": False})  # BLEU of the search, never of samples
         self.model.eval()
         translator = Translator(self.model, self.src_tok, self.tgt_tok, decode)
         sources = [self.valid_data.src[i].tolist() for i in distributed.shard(range(n), self.dist)]

@@ -2,6 +2,7 @@
 a comparison's, and why a killed run failed. None of these tests trains a model."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from nmtflow.cli import main
-from nmtflow.config import ConfigError
+from nmtflow.config import ConfigError, DecodeConfig
 from nmtflow.evaluate import compare
 from nmtflow.evaluate.compare import run_comparison
 from nmtflow.evaluate.experiment import load_experiment
@@ -29,6 +30,7 @@ def experiment(tmp_path: Path) -> Path:
     ("decode.max_sentences=0", r"decode\.max_sentences: must be >= 1"),
     ("decode.max_tokens=0", r"decode\.max_tokens: must be >= 1"),
     ("decode.max_len_a=-1", r"decode\.max_len_a: must be >= 0"),
+    ("decode.min_len=-1", r"decode\.min_len: must be >= 0"),
     ("test_sets=[test, test]", r"test_sets: 'test' is listed twice"),
     ("device=tpu", r"device: expected auto, cpu, cuda, cuda:N or mps, got 'tpu'"),
     ("devices=[cpu, gpu0]", r"devices\[1\]: expected auto, cpu, cuda, cuda:N or mps, got 'gpu0'"),
@@ -41,6 +43,13 @@ def test_settings_that_failed_after_training_are_errors_naming_where_they_were_s
     names the override that set the value (it named the experiment file), or the file where the file set it."""
     with pytest.raises(ConfigError, match=rf"^override '{re.escape(override)}': {message}"):
         load_experiment(experiment, [override])
+
+
+def test_min_len_reaches_the_runs_decode_settings(experiment: Path) -> None:
+    """The experiment's decode.min_len overrides each run's (as the compare job applies its search overrides)."""
+    search = load_experiment(experiment, ["decode.min_len=3"]).decode.search_overrides()
+    assert dataclasses.replace(DecodeConfig(), **search).min_len == 3
+    assert "min_len" not in load_experiment(experiment).decode.search_overrides()
 
 
 def test_a_bad_value_set_by_the_file_names_the_file(experiment: Path) -> None:
