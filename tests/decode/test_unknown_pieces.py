@@ -89,8 +89,8 @@ def test_translate_command_output_has_characters_not_byte_pieces(
     searched = []
     real_search = Translator.search
 
-    def recording(self: Translator, batch):  # the hypotheses' ids, to check that bytes were produced
-        hyps = real_search(self, batch)
+    def recording(self: Translator, batch, **options):  # the hypotheses' ids, to check that bytes were produced
+        hyps = real_search(self, batch, **options)
         searched.extend(h.tokens for nbest in hyps for h in nbest)
         return hyps
 
@@ -103,7 +103,7 @@ def test_translate_command_output_has_characters_not_byte_pieces(
     out = (tmp_path / "out.txt").read_text(encoding="utf-8").splitlines()
     assert len(out) == len(LINES) and "<0x" not in "".join(out) and warnings_of(caplog) == []
 
-    def copying(self: Translator, batch):
+    def copying(self: Translator, batch, **options):
         from nmtflow.decode.search import Hypothesis
         from nmtflow.data.vocab import EOS, PAD
 
