@@ -120,23 +120,25 @@ class Model:
 
     def translate(self, sentences: str | Sequence[str], *, nbest: int | None = None, return_scores: bool = False,
                   src_lang: str | None = None, tgt_lang: str | None = None,
-                  **decode: Any) -> Translation | list[Translation]:
+                  prefixes: str | Sequence[str] | None = None, **decode: Any) -> Translation | list[Translation]:
         """Translate a list of sentences (→ a list, in order) or one ``str`` (→ its result).
 
         A sentence's result is its best translation; with ``nbest=N`` (here or at load; also ``N = 1``) a list of
         ``N`` translations, best first (fewer only where fewer distinct outputs fit the length limit); with
         ``return_scores=True`` each translation is a ``(text, score)`` pair, the score being the search's
         length-normalised log-probability (what ``nmtflow translate --nbest`` prints). ``src_lang``/``tgt_lang``
-        pick a direction of a multilingual model; further keywords are :class:`DecodeConfig` fields for this call
-        (``beam_size=10``, ``greedy=True``, ...).
+        pick a direction of a multilingual model; ``prefixes``: a target prefix each translation starts with, one
+        per sentence ("" for none; a ``str`` for a ``str`` sentence); further keywords are :class:`DecodeConfig`
+        fields for this call (``beam_size=10``, ``greedy=True``, ``sampling=True, top_p=0.9, seed=1``, ...).
         """
         lines = _sentences(sentences, "translate")
+        forced = None if prefixes is None else _sentences(prefixes, "translate", "prefixes")
         if nbest is not None:
             decode["nbest"] = nbest
         translator = self._call_translator("translate", src_lang, tgt_lang, decode)
         lists = "nbest" in decode or "nbest" in self._load_options or translator.decode.nbest > 1
         results = []
-        for hyps in translator.translate(lines):
+        for hyps in translator.translate(lines, prefixes=forced):
             items = hyps if return_scores else [text for text, _ in hyps]
             results.append(items if lists else items[0])
         return results[0] if isinstance(sentences, str) else results

@@ -168,6 +168,21 @@ def test_decode_options_at_load_and_per_call(checkpoints: tuple[str, str]) -> No
         model.translate(LINES, nbest=3)
 
 
+def test_sampling_and_prefixes_through_the_api(checkpoints: tuple[str, str]) -> None:
+    model = nmtflow.load(checkpoints[0])
+    sampled = model.translate(LINES, sampling=True, top_k=5, seed=3, nbest=2, return_scores=True)
+    assert sampled == lower_level(checkpoints[0], sampling=True, top_k=5, seed=3, nbest=2).translate(LINES)
+    assert sampled != model.translate(LINES, sampling=True, top_k=5, seed=4, nbest=2, return_scores=True)
+    best = model.translate(LINES, greedy=True)
+    prefixes = [" ".join(text.split()[:1]) for text in best]
+    assert model.translate(LINES, greedy=True, prefixes=prefixes) == best  # its own first word: the same output
+    word = next(w for w in LINES[1].split() if not best[0].startswith(w))  # a word of the vocabulary, not best[0]'s
+    forced = model.translate(LINES[0], greedy=True, prefixes=word)
+    assert forced.startswith(word) and forced != best[0]
+    with pytest.raises(ValueError, match="1 prefixes for 2 input lines"):
+        model.translate(LINES[:2], prefixes=["a"])
+
+
 def test_a_list_of_checkpoints_is_the_clis_ensemble(checkpoints: tuple[str, str]) -> None:
     a, b = checkpoints
     ensemble = nmtflow.load([a, Path(b)], beam_size=3)
