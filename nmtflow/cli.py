@@ -401,6 +401,19 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 @command
+def cmd_export(args: argparse.Namespace) -> None:
+    from nmtflow.decode.export import QUANTIZATIONS, TARGETS, export_ctranslate2
+
+    if args.to not in TARGETS:
+        raise ValueError(f"--to {args.to}: unknown export target; expected one of: {', '.join(TARGETS)}")
+    if args.quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {args.quantization}: expected one of {', '.join(QUANTIZATIONS)}")
+    out = export_ctranslate2(args.checkpoint, args.output, quantization=args.quantization, force=args.force)
+    print(f"wrote {out} (CTranslate2, {args.quantization}): ctranslate2.Translator({str(out)!r}) translates "
+          "pieces of its source.spm into pieces of its target.spm")
+
+
+@command
 def cmd_analyze(args: argparse.Namespace) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -709,6 +722,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("export", help="convert a Transformer checkpoint for deployment (CTranslate2)")
+    p.add_argument("checkpoint", help="a bilingual Transformer checkpoint (.pt)")
+    p.add_argument("--to", required=True, metavar="TARGET", help="export format: ctranslate2")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="the model directory to write")
+    p.add_argument("--quantization", default="float32", metavar="TYPE",
+                   help="CTranslate2 weight type: float32 (default), int8, int8_float32, int8_float16, "
+                        "int8_bfloat16, int16, float16, bfloat16")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
 
     p = sub.add_parser("analyze", help="compare checkpoints layer by layer: lexical probes, similarity to E, gates")
     analyses = p.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
