@@ -102,6 +102,17 @@ def extend_cache(cache: Tensor, new: Tensor, rows: Tensor | None = None) -> Tens
     return out
 
 
+def append_to_cache(state: dict[str, Tensor], name: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Append new keys/values (B,H,T,·) to the self-attention cache ``name.k``/``name.v`` in ``state`` (in the beam
+    order left pending by :func:`defer_cache_reorder`, if any: :func:`extend_cache`); returns the whole cache."""
+    if name + ".k" in state:
+        rows = state.pop(name + ROWS, None)
+        k = extend_cache(state[name + ".k"], k, rows)
+        v = extend_cache(state[name + ".v"], v, rows)
+    state[name + ".k"], state[name + ".v"] = k, v
+    return k, v
+
+
 def defer_cache_reorder(state: dict[str, Tensor], rows: Tensor) -> set[str]:
     """Record the beam order ``rows`` for every self-attention cache in ``state`` instead of gathering it now.
 
@@ -207,13 +218,7 @@ class MultiHeadAttention(nn.Module):
             if key not in state:
                 state[key], state[self.name + ".static_v"] = self.project_kv(source, ctx)
             return state[key], state[self.name + ".static_v"]
-        k, v = self.project_kv(source, ctx)
-        if self.name + ".k" in state:
-            rows = state.pop(self.name + ROWS, None)
-            k = extend_cache(state[self.name + ".k"], k, rows)
-            v = extend_cache(state[self.name + ".v"], v, rows)
-        state[self.name + ".k"], state[self.name + ".v"] = k, v
-        return k, v
+        return append_to_cache(state, self.name, *self.project_kv(source, ctx))
 
 
 def link_stack(stack: list[MultiHeadAttention]) -> None:

@@ -20,28 +20,35 @@ attention module (SPEC §3). With all 18 modules of a 6+6 base model (d = 512): 
 (d → Σn·d; per n the features are laid out (H, n, Dh)) and all ``W_{v,n}[t]`` in one fused ``v_proj``
 (d → Σn·d; per n laid out (n, H, Dh)), so each side is one matmul.
 
-**Vectorised.** Phrase keys are strided windows of K' (``unfold``: (B,H,S_n,n·Dh)), so A_n is one batched
-matmul; V_n sums the window diagonal of the per-offset value projections (``unfold`` + ``diagonal``). The
-only Python loops run over the few n values.
+**Slots by last token.** Phrase j of size n is kept in slot (e, n) of its last token e = j + n − 1, so
+that every key position e holds one slot per n (slot (e, n) is empty while e < n − 1): scores (B,H,T,S,N')
+and values (B,H,S,N',Dh) (N' = len(ngrams)) are laid out position-major and flattened to S·N' for one
+softmax and one matmul. A new token completes exactly its own slots, so a decoding cache grows by appending,
+like a standard one, and causality is the standard rule on e (slot e visible to position p iff e ≤ p).
 
-**Masks** (no padding of the sequences, SPEC §3). A key sequence shorter than n has no n-grams (S_n = 0).
-A phrase containing a padding position is masked. With ``causal``, phrase j of size n is visible to the
-query at absolute position p only if ``j + n − 1 ≤ p``. A query that sees nothing (e.g. position 0 with
-``ngrams: [2]`` under ``causal``) gets all-zero weights and a zero context.
+**Vectorised, no copies of keys per n.** One matmul gives R = Q_n[i, t] · K'[s] for all n, t and s
+(B,H,T,Σn,S); A_n is the sum of R along a diagonal (a strided view of R, :func:`ngram_windows`), and V_n is
+the same diagonal sum over the per-offset value projections (a width-n convolution). :class:`PhraseSums`
+writes these sums straight into the slot layout and scatters its gradient back in place, so neither R nor
+any per-n copy of the keys is kept for backward. The only Python loops run over the few n values.
 
-**Incremental decoding.** Self-attention keeps, batch-first under ``state[name + …]``: ``.tail_k``/``.tail_v``,
-the key and per-offset value projections of the last N − 1 positions (N = max n), and per n the phrase keys
-``.phrase{n}.k`` (B,H,S_n,n·Dh) and phrase values ``.phrase{n}.v`` (B,H,S_n,Dh) seen so far. New tokens
-complete new windows with the tail; nothing is recomputed over the prefix. The prefix length is
-``tail length + S_N``. Named like standard key/value caches, the phrase caches take part in beam search's
-deferred reordering (:func:`~nmtflow.nn.attention.defer_cache_reorder`): a new beam order is applied when the
-next step extends them, in the same copy; the small tails are reordered at once. Cross-attention caches
-the phrase keys/values of the encoder output once under ``.static_phrase_k{n}``/``.static_phrase_v{n}``
-(beam search reorders those only when sentences are pruned).
+**Masks** (no padding of the sequences, SPEC §3), built once per stack forward (``ctx.shared``) or once per
+sentence (cross-attention caches) as an additive bias: an empty slot, a phrase containing a padding
+position, and with ``causal`` a phrase ending after the query (``j + n − 1 > p``), get weight 0. A query
+that sees nothing (e.g. position 0 with ``ngrams: [2]`` under ``causal``) gets all-zero weights and a zero
+context.
+
+**Incremental decoding.** Self-attention keeps, batch-first, the keys K' ``state[name + ".k"]`` (B,H,S,Dh)
+and the slot values ``state[name + ".v"]`` (B,H,S,N'·Dh), like a standard key/value cache (beam search's
+deferred reordering applies: :func:`~nmtflow.nn.attention.defer_cache_reorder`), and ``.tail``, the per-offset
+value projections of the last N − 1 positions (N = max n): new tokens complete their phrases with the tail,
+nothing is recomputed over the prefix. Cross-attention caches K', the slot values and the mask of the
+encoder output once (``.static_k``/``.static_v``/``.static_bias``, and ``.static_dead`` if some sentence
+has nothing to attend to).
 
 **Weights for analysis** (``ctx.need_weights``): one tensor (B,H,T,ΣS_n), the softmax over the concatenation
-in ``ngrams`` order — ``[:S_1]`` token-to-token, the rest token-to-phrase. :func:`phrase_counts` gives the
-split sizes from the key length, :func:`split_phrasal_weights` splits it per n.
+in ``ngrams`` order — ``[:S_1]`` token-to-token, the rest token-to-phrase, each block by phrase start j.
+:func:`phrase_counts` gives the split sizes from the key length, :func:`split_phrasal_weights` splits it per n.
 
 Initialisation (the paper is silent): every d×d block is Xavier-uniform with gain 1/√2 like the standard
 projections, the value kernels scaled by 1/√n so that V_n starts with the variance of a single value.
@@ -50,14 +57,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtflow.config import ConfigError
-from nmtflow.nn.attention import (ROWS, AttentionConfig, AttentionContext, MultiHeadAttention, extend_cache,
-                                   merge_heads, split_heads)
+from nmtflow.nn.attention import (AttentionConfig, AttentionContext, MultiHeadAttention, append_to_cache, merge_heads,
+                                   split_heads)
 from nmtflow.registry import register_attention
 
 
@@ -75,7 +83,7 @@ class PhrasalOptions(AttentionConfig):
                               f"got {self.ngrams!r}")
 
 
-# ---- windows over a sequence axis ----------------------------------------------------------------------
+# ---- phrases as slots of their last token ----------------------------------------------------------------
 def phrase_counts(ngrams: list[int], length: int) -> list[int]:
     """Number of n-grams S_n = max(length − n + 1, 0) of a key sequence, per n."""
     return [max(length - n + 1, 0) for n in ngrams]
@@ -86,30 +94,74 @@ def split_phrasal_weights(weights: Tensor, ngrams: list[int], key_length: int) -
     return dict(zip(ngrams, weights.split(phrase_counts(ngrams, key_length), dim=-1)))
 
 
-def windows(x: Tensor, dim: int, n: int) -> Tensor:
-    """Width-n windows (stride 1) along ``dim`` as a view: size S → S − n + 1 (0 if S < n), window last."""
-    if x.size(dim) < n:
-        return x.narrow(dim, 0, 0).unsqueeze(-1).expand(*x.shape[:dim], 0, *x.shape[dim + 1:], n)
-    return x.unfold(dim, n, 1)
+def ngram_windows(x: Tensor, pos_dim: int, slot_dim: int, first_slot: int, n: int, start: int,
+                  count: int) -> Tensor:
+    """A strided view v of ``x`` with ``v[…e…t…] = x[pos = start + e + t, slot = first_slot + t]``:
+    ``count`` windows along ``pos_dim``, their n offsets t along ``slot_dim`` (one diagonal per window)."""
+    size, stride = list(x.shape), list(x.stride())
+    size[pos_dim], size[slot_dim] = count, n
+    stride[slot_dim] += stride[pos_dim]
+    return x.as_strided(size, stride, x.storage_offset() + start * x.stride(pos_dim)
+                        + first_slot * x.stride(slot_dim))
 
 
-def phrase_keys(k: Tensor, n: int) -> Tensor:
-    """K' (B,H,S,Dh) → phrase keys (B,H,S_n,n·Dh): row j is [K'[j]; …; K'[j+n−1]]."""
-    b, h, _, dh = k.shape
-    w = windows(k, 2, n).transpose(-1, -2)  # (B,H,S_n,n,Dh)
-    return w.reshape(b, h, w.size(2), n * dh)
+class PhraseSums(torch.autograd.Function):
+    """Diagonal sums per n-gram, in the slot layout. ``x`` has positions along ``pos_dim`` and the Σn kernel
+    rows along ``slot_dim`` (those of the k-th n = ``ngrams[k]`` from o_k = Σ_{i<k} ngrams[i] on);
+    ``out[…e…k…] = Σ_{t<n} x[pos = first + e − n + 1 + t, slot = o_k + t]`` for e < ``count``: the phrase of size
+    n ending at position ``first + e`` (0 where it would start before x). ``out`` has x's dims with ``pos_dim`` →
+    count and ``slot_dim`` → one per n, its memory laid out in the dim order ``order``. Backward scatters into
+    one zero gradient in place: nothing is saved, no per-n copy of ``x`` or of its gradient is made."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, pos_dim: int, slot_dim: int, ngrams: tuple[int, ...], first: int,
+                count: int, order: tuple[int, ...]) -> Tensor:
+        ctx.geometry = (x.shape, pos_dim, slot_dim, ngrams, first, count)
+        shape = list(x.shape)
+        shape[pos_dim], shape[slot_dim] = count, len(ngrams)
+        out = x.new_empty([shape[d] for d in order]).permute([order.index(d) for d in range(len(order))])
+        for k, (n, offset, empty) in enumerate(_windows_per_n(ngrams, first, count)):
+            slots = out.narrow(slot_dim, k, 1)
+            slots.narrow(pos_dim, 0, empty).zero_()
+            if empty < count:
+                window = ngram_windows(x, pos_dim, slot_dim, offset, n, first + empty - n + 1, count - empty)
+                torch.sum(window, slot_dim, keepdim=True, out=slots.narrow(pos_dim, empty, count - empty))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        shape, pos_dim, slot_dim, ngrams, first, count = ctx.geometry
+        grad_x = grad.new_zeros(shape)
+        for k, (n, offset, empty) in enumerate(_windows_per_n(ngrams, first, count)):
+            if empty < count:
+                window = ngram_windows(grad_x, pos_dim, slot_dim, offset, n, first + empty - n + 1, count - empty)
+                window.add_(grad.narrow(slot_dim, k, 1).narrow(pos_dim, empty, count - empty))
+        return grad_x, None, None, None, None, None, None
 
 
-def phrase_values(p: Tensor) -> Tensor:
-    """Per-offset value projections (B,H,S,n,Dh), p[s, t] = W_{v,n}[t] V[s] → V_n (B,H,S_n,Dh)."""
-    n = p.size(3)
-    w = windows(p, 2, n)  # (B,H,S_n,n_t,Dh,n_w): window position n_w, kernel row n_t
-    return w.diagonal(dim1=3, dim2=5).sum(-1)  # Σ_t p[j+t, t]
+def _windows_per_n(ngrams: tuple[int, ...], first: int, count: int) -> list[tuple[int, int, int]]:
+    """Per n: (n, its first kernel row in Σn, how many of the ``count`` slots from ``first`` on are empty)."""
+    offsets = [sum(ngrams[:k]) for k in range(len(ngrams))]
+    return [(n, o, min(max(n - 1 - first, 0), count)) for n, o in zip(ngrams, offsets)]
 
 
-def phrase_padding(key_padding_mask: Tensor, n: int) -> Tensor:
-    """(B,S) True = pad → (B,S_n) True = the phrase contains a padding position."""
-    return windows(key_padding_mask, 1, n).any(-1)
+def phrase_visibility(ngrams: list[int], length: int, t: int, key_padding_mask: Tensor | None, causal: bool,
+                      device: torch.device) -> Tensor:
+    """True = may attend, (B|1, 1, T|1, S, len(ngrams)) over the slots (e, n) of ``length`` keys: the phrase
+    ending at e exists (e ≥ n − 1), holds no padding position, and with ``causal`` ends no later than the query
+    (queries at absolute positions length − T … length − 1)."""
+    n = torch.tensor(ngrams, device=device)
+    end = torch.arange(length, device=device)
+    if key_padding_mask is None:
+        visible = (end[:, None] >= n - 1)[None, None, None]
+    else:  # pads counted by prefix sums, positions before the sequence counting as padding
+        big = max(ngrams)
+        pads = F.pad(key_padding_mask, (big, 0), value=True).long().cumsum(1)  # (B, N+S)
+        visible = (pads[:, end + big, None] == pads[:, end[:, None] + big - n])[:, None, None]  # (B,1,1,S,K)
+    if causal:
+        position = torch.arange(length - t, length, device=device)
+        visible = visible & (end[None, :] <= position[:, None])[..., None]  # (…,T,S,K)
+    return visible
 
 
 @register_attention("phrasal", PhrasalOptions)
@@ -123,10 +175,10 @@ class PhrasalAttention(MultiHeadAttention):
         options = options if isinstance(options, PhrasalOptions) else PhrasalOptions()
         super().__init__(d_model, heads, dropout=dropout, self_attention=self_attention, name=name, options=options)
         self.ngrams = list(options.ngrams)
-        self.offsets = [sum(self.ngrams[:i]) for i in range(len(self.ngrams))]  # of n's kernel rows in Σn
         total = sum(self.ngrams)
         self.q_proj = nn.Linear(d_model, total * d_model, bias=False)  # all W_{q,n}
         self.v_proj = nn.Linear(d_model, total * d_model, bias=False)  # all W_{v,n}[t]
+        self._scales: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # 1/√(Dh·n) per n, per dtype and device
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -140,25 +192,33 @@ class PhrasalAttention(MultiHeadAttention):
             for n, rows in zip(self.ngrams, self.v_proj.weight.split([n * self.d_model for n in self.ngrams])):
                 rows.uniform_(-bound / math.sqrt(n), bound / math.sqrt(n))
 
+    def scales(self, like: Tensor) -> Tensor:
+        """1/√(Dh·n) per n, in the dtype and on the device of ``like``."""
+        key = (like.dtype, like.device)
+        if key not in self._scales:
+            self._scales[key] = torch.tensor([1 / math.sqrt(self.head_dim * n) for n in self.ngrams],
+                                             dtype=like.dtype, device=like.device)
+        return self._scales[key]
+
     # ---- projections ----------------------------------------------------------------------------------
-    def project_queries(self, query: Tensor) -> list[Tensor]:
-        """query (B,T,D) → per n: Q_n / √(Dh·n) (B,H,T,n·Dh), kernel row t at [t·Dh:(t+1)·Dh]."""
+    def project_queries(self, query: Tensor) -> Tensor:
+        """query (B,T,D) → Q (B,H,T,Σn,Dh): per head the kernel rows Q_n[i, t] of every n, in ``ngrams`` order."""
         b, t, _ = query.shape
         parts = self.q_proj(query).split([n * self.d_model for n in self.ngrams], dim=-1)
-        return [p.view(b, t, self.heads, n * self.head_dim).transpose(1, 2) / math.sqrt(self.head_dim * n)
-                for n, p in zip(self.ngrams, parts)]
+        return torch.cat([p.view(b, t, self.heads, n, self.head_dim).transpose(1, 2)
+                          for n, p in zip(self.ngrams, parts)], dim=3)
 
     def project_kv(self, source: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        """source (B,S,D) → K' (B,H,S,Dh) and per-offset value projections (B,H,S,Σn,Dh)."""
-        b, s, _ = source.shape
-        v = self.v_proj(source).view(b, s, sum(self.ngrams), self.heads, self.head_dim)
-        return split_heads(self.k_proj(source), self.heads), v.permute(0, 3, 1, 2, 4)
+        """source (B,S,D) → K' (B,H,S,Dh) and the slot values (B,H,S,N'·Dh): V_n of the phrase ending at e."""
+        return split_heads(self.k_proj(source), self.heads), self.phrase_values(self.v_proj(source), 0)
 
-    def phrases(self, k: Tensor, v: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """K' (B,H,S,Dh), value projections (B,H,S,Σn,Dh) → per n: phrase keys and values V_n."""
-        keys = [phrase_keys(k, n) for n in self.ngrams]
-        values = [phrase_values(v[:, :, :, o:o + n]) for n, o in zip(self.ngrams, self.offsets)]
-        return keys, values
+    def phrase_values(self, p: Tensor, first: int) -> Tensor:
+        """Per-offset value projections p (B,L,Σn·D) of L positions → slot values (B,H,L − first,N'·Dh) of the
+        phrases ending at positions ``first`` … L − 1 (V_n; zero where one would start before p)."""
+        b, length, _ = p.shape
+        x = p.view(b, length, sum(self.ngrams), self.heads, self.head_dim)
+        out = PhraseSums.apply(x, 1, 2, tuple(self.ngrams), first, length - first, (0, 3, 1, 2, 4))
+        return out.permute(0, 3, 1, 2, 4).reshape(b, self.heads, length - first, -1)  # a view
 
     # ---- the interface --------------------------------------------------------------------------------
     def forward(self, query: Tensor, source: Tensor, *, key_padding_mask: Tensor | None = None,
@@ -166,90 +226,73 @@ class PhrasalAttention(MultiHeadAttention):
                 ctx: AttentionContext | None = None) -> tuple[Tensor, Tensor | None]:
         """query (B,T,D), source (B,S,D) → (B,T,D) and, with ``ctx.need_weights``, weights (B,H,T,ΣS_n)."""
         ctx = ctx or AttentionContext()
-        queries = self.project_queries(query)
-        keys, values, length = self._phrase_kv(source, state, ctx)
+        q = self.project_queries(query)
+        k, v = self._keys_values(source, state, ctx)
+        length = k.size(2)
         if key_padding_mask is not None and key_padding_mask.size(1) != length:
             raise ValueError(f"{self.name}: key_padding_mask covers {key_padding_mask.size(1)} keys, not {length}")
-        visible = self.visibility(length, query.size(1), key_padding_mask, causal, query.device)
-        out, weights = self.attend_phrases(queries, keys, values, visible, ctx)
+        bias, dead = self.mask(q.size(0), length, query.size(1), key_padding_mask, causal, q.dtype, state, ctx)
+        out, weights = self.attend_phrases(q, k, v, bias, dead, ctx)
         return self.out_proj(merge_heads(out)), weights
 
-    def visibility(self, length: int, t: int, key_padding_mask: Tensor | None, causal: bool,
-                   device: torch.device) -> Tensor | None:
-        """True = may attend, (B|1, 1, T|1, ΣS_n); queries sit at absolute positions length − T … length − 1."""
-        if key_padding_mask is None and not causal:
-            return None
-        masks = []
-        for n, s_n in zip(self.ngrams, phrase_counts(self.ngrams, length)):
-            m = torch.ones(1, 1, 1, s_n, dtype=torch.bool, device=device)
-            if key_padding_mask is not None:
-                m = ~phrase_padding(key_padding_mask, n)[:, None, None, :]  # (B,1,1,S_n)
-            if causal:
-                last = torch.arange(s_n, device=device) + n - 1  # last token of phrase j
-                position = torch.arange(t, device=device) + length - t  # absolute query positions
-                m = m & (last[None, :] <= position[:, None])  # (…,T,S_n)
-            masks.append(m)
-        shape = torch.broadcast_shapes(*(m.shape[:-1] for m in masks))
-        return torch.cat([m.expand(*shape, m.size(-1)) for m in masks], dim=-1)
+    def mask(self, batch: int, length: int, t: int, key_padding_mask: Tensor | None, causal: bool,
+             dtype: torch.dtype, state: dict[str, Tensor] | None,
+             ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
+        """Additive bias (B|1, 1, T|1, S, N'): 0 or the dtype's minimum (:func:`phrase_visibility`), and the
+        queries that see nothing (B|1, 1, T|1, 1) or None. Built once per stack forward (``ctx.shared``), for a
+        cross-attention cache once per sentence."""
+        cached = state is not None and not self.self_attention
+        if cached and self.name + ".static_bias" in state:
+            return state[self.name + ".static_bias"], state.get(self.name + ".static_dead")
+        key = ("phrasal.mask", tuple(self.ngrams), length, t, causal, dtype)
+        hit = ctx.shared.get(key)
+        if hit is not None and hit[0] is key_padding_mask:
+            bias, dead = hit[1:]
+        else:
+            visible = phrase_visibility(self.ngrams, length, t, key_padding_mask, causal, self.k_proj.weight.device)
+            bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            bias.masked_fill_(~visible, torch.finfo(dtype).min)
+            dead = ~visible.flatten(-2).any(-1, keepdim=True)
+            dead = dead if bool(dead.any()) else None
+            ctx.shared[key] = (key_padding_mask, bias, dead)
+        if cached:  # batch-first, as every state entry
+            state[self.name + ".static_bias"] = bias.expand(batch, *bias.shape[1:])
+            if dead is not None:
+                state[self.name + ".static_dead"] = dead.expand(batch, *dead.shape[1:])
+        return bias, dead
 
-    def attend_phrases(self, queries: list[Tensor], keys: list[Tensor], values: list[Tensor],
-                       visible: Tensor | None, ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
-        """One softmax over [A_1; …; A_N] (SPEC §3), then C = P [V_1; …; V_N] → (B,H,T,Dh), weights."""
-        scores = torch.cat([q @ k.transpose(-1, -2) for q, k in zip(queries, keys)], dim=-1)  # (B,H,T,ΣS_n)
-        if visible is not None:
-            dead = ~visible.any(-1, keepdim=True)  # queries that see no token or phrase at all
-            scores = scores.masked_fill(~visible, float("-inf")).masked_fill(dead, 0.0)
-        weights = scores.softmax(-1)
-        if visible is not None:
+    def attend_phrases(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, dead: Tensor | None,
+                       ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
+        """Q (B,H,T,Σn,Dh), K' (B,H,S,Dh), slot values (B,H,S,N'·Dh), bias → context (B,H,T,Dh) and weights:
+        A_n from diagonal sums of Q Kᵀ, one softmax over all slots (SPEC §3), C = P V."""
+        b, h, t, total, dh = q.shape
+        s, kinds = k.size(2), len(self.ngrams)
+        r = torch.matmul(q.view(b, h, t * total, dh), k.transpose(-1, -2)).view(b, h, t, total, s)
+        sums = PhraseSums.apply(r, 4, 3, tuple(self.ngrams), 0, s, (0, 1, 2, 4, 3)).permute(0, 1, 2, 4, 3)
+        scores = torch.addcmul(bias, sums, self.scales(sums))  # (B,H,T,S,N')
+        weights = scores.view(b, h, t, s * kinds).softmax(-1)
+        if dead is not None:
             weights = weights.masked_fill(dead, 0.0)
         p = self.dropout if self.training else 0.0
-        out = F.dropout(weights, p, self.training) @ torch.cat(values, dim=2)  # (B,H,T,Dh)
-        return out, (weights if ctx.need_weights else None)
+        out = F.dropout(weights, p, self.training) @ v.reshape(b, h, s * kinds, dh)  # (B,H,T,Dh)
+        if not ctx.need_weights:
+            return out, None
+        by_slot = weights.view(b, h, t, s, kinds)  # → per n the phrases by start j, in ngrams order
+        return out, torch.cat([by_slot[..., n - 1:, i] for i, n in enumerate(self.ngrams)], dim=-1)
 
     # ---- keys and values, with or without a cache --------------------------------------------------------
-    def _phrase_kv(self, source: Tensor, state: dict[str, Tensor] | None,
-                   ctx: AttentionContext) -> tuple[list[Tensor], list[Tensor], int]:
-        """Phrase keys/values per n over the whole key sequence, and its length S."""
-        if state is None:
-            return (*self.phrases(*self.project_kv(source, ctx)), source.size(1))
-        if not self.self_attention:
-            first = f"{self.name}.static_phrase_k{self.ngrams[0]}"
-            if first not in state:
-                keys, values = self.phrases(*self.project_kv(source, ctx))
-                for n, k, v in zip(self.ngrams, keys, values):
-                    state[f"{self.name}.static_phrase_k{n}"], state[f"{self.name}.static_phrase_v{n}"] = k, v
-            return ([state[f"{self.name}.static_phrase_k{n}"] for n in self.ngrams],
-                    [state[f"{self.name}.static_phrase_v{n}"] for n in self.ngrams], source.size(1))
-        return self._extend_cache(source, state, ctx)
-
-    def _extend_cache(self, source: Tensor, state: dict[str, Tensor],
-                      ctx: AttentionContext) -> tuple[list[Tensor], list[Tensor], int]:
-        """Self-attention step: the new positions complete new windows with the cached tail."""
-        name, t, keep = self.name, source.size(1), max(self.ngrams) - 1
-        k, v = self.project_kv(source, ctx)  # (B,H,T,Dh), (B,H,T,Σn,Dh)
-        cached = f"{name}.tail_k" in state
-        if cached:
-            previous = state[f"{name}.tail_k"].size(2) + state[f"{name}.phrase{max(self.ngrams)}.k"].size(2)
-            k = torch.cat([state[f"{name}.tail_k"], k], dim=2)  # (B,H,tail+T,Dh)
-            v = torch.cat([state[f"{name}.tail_v"], v], dim=2)
-        else:
-            previous = 0
-        tail = k.size(2) - t  # cached positions in front of the new ones
-        new_keys, new_values = [], []
-        for n, o in zip(self.ngrams, self.offsets):
-            start = max(tail - (n - 1), 0)  # windows of k[start:] are exactly those ending at a new position
-            new_keys.append(phrase_keys(k[:, :, start:], n))
-            new_values.append(phrase_values(v[:, :, start:, o:o + n]))
-        keys, values = [], []
-        for n, nk, nv in zip(self.ngrams, new_keys, new_values):
-            cache = f"{name}.phrase{n}"
-            if cached:  # in the beam order left pending by beam search, if any: gathered and extended in one copy
-                rows = state.pop(cache + ROWS, None)
-                nk = extend_cache(state[cache + ".k"], nk, rows)
-                nv = extend_cache(state[cache + ".v"], nv, rows)
-            state[cache + ".k"], state[cache + ".v"] = nk, nv
-            keys.append(nk)
-            values.append(nv)
-        start = max(k.size(2) - keep, 0)
-        state[f"{name}.tail_k"], state[f"{name}.tail_v"] = k[:, :, start:], v[:, :, start:]
-        return keys, values, previous + t
+    def _keys_values(self, source: Tensor, state: dict[str, Tensor] | None,
+                     ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+        """K' and slot values over the whole key sequence; a self-attention step completes the phrases of its
+        new positions with the cached tail of per-offset value projections and appends to the caches."""
+        if state is None or not self.self_attention:
+            return super()._keys_values(source, state, ctx)
+        p = self.v_proj(source)  # (B,T,Σn·D)
+        tail = state.get(self.name + ".tail")
+        if tail is not None:
+            p = torch.cat([tail, p], dim=1)
+        v = self.phrase_values(p, p.size(1) - source.size(1))
+        keep = max(self.ngrams) - 1
+        if keep:
+            state[self.name + ".tail"] = p[:, max(p.size(1) - keep, 0):]
+        return append_to_cache(state, self.name, split_heads(self.k_proj(source), self.heads), v)

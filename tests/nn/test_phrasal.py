@@ -27,10 +27,9 @@ def module(ngrams: list[int], seed: int = 0, self_attention: bool = True) -> Phr
     return PhrasalAttention(D, H, self_attention=self_attention, options=PhrasalOptions(ngrams=ngrams)).double()
 
 
-@torch.no_grad()
 def reference(m: PhrasalAttention, query: torch.Tensor, source: torch.Tensor, pad: torch.Tensor | None,
               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC §3 written out position by position (slow; tests only)."""
+    """SPEC §3 written out position by position (slow; tests only; differentiable)."""
     b_size, t_len, _ = query.shape
     s_len, dh = source.size(1), m.head_dim
     wq, wk, wv = m.q_proj.weight, m.k_proj.weight, m.v_proj.weight
@@ -54,12 +53,12 @@ def reference(m: PhrasalAttention, query: torch.Tensor, source: torch.Tensor, pa
                         scores.append(a if ok else torch.tensor(float("-inf"), dtype=query.dtype))
                         values.append(sum(wv_n[t][hs] @ source[b, j + t] for t in range(n)))
                     row += n
-                if not scores or all(float(s) == float("-inf") for s in scores):
+                if not scores or bool(torch.stack(scores).isneginf().all()):
                     continue
                 p = torch.stack(scores).softmax(0)
                 weights[b, h, i] = p
                 heads[b, i, hs] = (p[:, None] * torch.stack(values)).sum(0)
-    return heads @ m.out_proj.weight.T, weights
+    return heads @ m.out_proj.weight.T, weights  # heads/weights written in place: autograd follows the copies
 
 
 def inputs(t_len: int = 5, s_len: int = 7, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -87,6 +86,25 @@ def test_matches_the_literal_equations(ngrams: list[int], kind: str) -> None:
     ref_out, ref_weights = reference(m, query, source, pad, kind == "causal")
     torch.testing.assert_close(weights, ref_weights)
     torch.testing.assert_close(out, ref_out)
+
+
+@pytest.mark.parametrize("ngrams", [[1, 2, 3], [2, 3]])
+@pytest.mark.parametrize("kind", ["self", "causal", "cross"])
+def test_gradients_match_the_literal_equations(ngrams: list[int], kind: str) -> None:
+    m = module(ngrams, self_attention=kind != "cross")
+    query, source, pad = inputs(t_len=4, s_len=6)
+    source.requires_grad_(True)
+    query = source if kind != "cross" else query.requires_grad_(True)
+    args = dict(causal=True) if kind == "causal" else dict(key_padding_mask=pad)
+    out, weights = m(query, source, ctx=WEIGHTS, **args)
+    ref_out, ref_weights = reference(m, query, source, None if kind == "causal" else pad, kind == "causal")
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+    gw = torch.randn(weights.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    wrt = {"source": source, **({"query": query} if kind == "cross" else {}), **dict(m.named_parameters())}
+    grads = torch.autograd.grad((out * g).sum() + (weights * gw).sum(), list(wrt.values()))
+    ref_grads = torch.autograd.grad((ref_out * g).sum() + (ref_weights * gw).sum(), list(wrt.values()))
+    for name, grad, ref_grad in zip(wrt, grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, msg=lambda text, name=name: f"{name}: {text}")
 
 
 def test_unigrams_only_is_standard_attention() -> None:
@@ -164,7 +182,27 @@ def test_module_cache_equals_full_forward(ngrams: list[int], chunks: list[int]) 
     torch.testing.assert_close(torch.cat(outs, 1), full)
     torch.testing.assert_close(w, full_w[:, :, -chunks[-1]:])
     assert all(k.startswith("attn.") and v.size(0) == 3 for k, v in state.items())
-    assert state["attn.tail_k"].size(2) == max(ngrams) - 1  # only the last N-1 keys are kept raw
+    # keys as a standard cache, one value slot per position and n, raw value projections of the last N-1 only
+    assert state["attn.k"].shape == (3, H, 7, D // H) and state["attn.v"].shape == (3, H, 7, len(ngrams) * D // H)
+    assert state["attn.tail"].size(1) == max(ngrams) - 1
+
+
+def test_cross_attention_cache_equals_full_forward() -> None:
+    """Cached encoder keys, slot values and mask, over steps, with a sentence that has no bigram (a query that
+    sees nothing: zero context) and one of padding only."""
+    m = module([2, 3], self_attention=False)
+    query, source, pad = inputs(t_len=4, s_len=6)
+    pad[2, 1:] = True  # one real key: no 2- or 3-gram
+    pad[0] = True
+    full, full_w = m(query, source, key_padding_mask=pad, ctx=WEIGHTS)
+    torch.testing.assert_close(full, reference(m, query, source, pad, False)[0])
+    assert full[[0, 2]].abs().max() == 0 and full[1].abs().min() > 0
+    state: dict[str, torch.Tensor] = {}
+    steps = [m(query[:, i:i + 1], source, key_padding_mask=pad, state=state, ctx=WEIGHTS) for i in range(4)]
+    torch.testing.assert_close(torch.cat([y for y, _ in steps], 1), full)
+    torch.testing.assert_close(torch.cat([w for _, w in steps], 2), full_w)
+    assert {k for k in state} == {"attn.static_k", "attn.static_v", "attn.static_bias", "attn.static_dead"}
+    assert all(v.size(0) == 3 for v in state.values())
 
 
 # ---- the whole Transformer with phrasal attention in every slot ------------------------------------------
@@ -195,6 +233,20 @@ def test_transformer_incremental_equals_full(ngrams: list[int]) -> None:
     enc, state = model.encode(src), {}
     chunks = [model.decode(tgt[:, :3], enc, state), model.decode(tgt[:, 3:], enc, state)]
     torch.testing.assert_close(torch.cat(chunks, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ngrams", [[1, 2, 3], [2, 3]])
+def test_transformer_decoder_sees_no_future_tokens(ngrams: list[int]) -> None:
+    model = transformer(ngrams)
+    src, tgt = batch()
+    full = model(src, tgt)
+    g = torch.Generator().manual_seed(4)
+    for p in range(1, tgt.size(1)):
+        changed = tgt.clone()
+        changed[:, p:] = torch.randint(4, V, changed[:, p:].shape, generator=g)
+        out = model(src, changed)
+        torch.testing.assert_close(out[:, :p], full[:, :p])
+        assert not torch.allclose(out[:, p:], full[:, p:])
 
 
 def test_beam_and_greedy_search_agree_with_full_forward_scores() -> None:
