@@ -84,6 +84,18 @@ def causal_mask(mask: Tensor | None, t: int, s: int, device: torch.device) -> Te
 ROWS = ".rows"  # state entry: the row order a self-attention cache is still to be read in
 
 
+def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, causal: bool) -> Tensor:
+    """``F.scaled_dot_product_attention`` (mask True = may attend), except in bf16 on a CPU: there PyTorch's CPU
+    kernel runs its backward many times slower than in fp32 (``benchmarks/bf16_cpu.py``), so the attention itself
+    is computed in fp32 with autocast off, and the result cast back; the projections around it stay in bf16."""
+    if q.device.type == "cpu" and (q.dtype == torch.bfloat16 or torch.is_autocast_enabled("cpu")):
+        with torch.autocast("cpu", enabled=False):
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p,
+                                                 is_causal=causal)
+        return out.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)
+
+
 def extend_cache(cache: Tensor, new: Tensor, rows: Tensor | None = None) -> Tensor:
     """``cat([cache[rows], new], dim=2)`` for caches (B,H,S,Dh), copying the cache once (not gather + cat).
 
@@ -184,8 +196,7 @@ class MultiHeadAttention(nn.Module):
         if not ctx.need_weights:
             if causal and (mask is not None or q.size(2) != k.size(2)):  # SDPA's is_causal: no mask, T = S only
                 mask, causal = causal_mask(mask, q.size(2), k.size(2), q.device), False
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal)
-            return out, None
+            return sdpa(q, k, v, mask, p, causal), None
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # (B,H,T,S)
         mask = causal_mask(mask, q.size(2), k.size(2), q.device) if causal else mask
         # a query that may attend to nothing (an all-padding source) gets zero weights and context, as in SDPA
