@@ -48,7 +48,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
     raw = {"train": str(FIXTURES / "tiny"), "valid": str(FIXTURES / "tiny")}
     dirs = {True: root / "joint", False: root / "separate"}
     for joint, out in dirs.items():
-        prepare(raw, ["en", "de"], out, vocab_size=150, joint=joint, progress=False)
+        prepare(raw, ["en", "de"], out, vocab_size=150, joint=joint, progress=False, byte_fallback=False)
     return dirs
 
 
