@@ -38,7 +38,8 @@ from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
 from nmtflow.runtime import autocast, cpu_info, machine_info
 from nmtflow.train.loss import label_smoothed_nll
-from throughput import Optimiser, add_common_args, default_work, prepared_data, timed_training, training_batches
+from throughput import (Optimiser, add_common_args, default_work, prepared_data, timed_training, training_batches,
+                        write_json)
 
 
 @contextmanager
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"machine": machine_info(device, threads=torch.get_num_threads())}
     if not cpu_info()["native_bf16"] and not args.force:
         result["skipped"] = "this CPU has no native bf16 (AMX or AVX-512 BF16): bf16 is emulated here"
-        write(args.out, result)
+        write_json(args.out, result)
         print(result["skipped"])
         return result
 
@@ -167,13 +168,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     })
     result["decode"]["bf16"]["speed_over_fp32"] = dec_seconds["fp32"] / dec_seconds["bf16"]
     result["decode"]["identical_output_share"] = same
-    write(args.out, result)
+    write_json(args.out, result)
     return result
 
-
-def write(path: Path, result: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ provided the budget ``--compile-budget-s`` has time left after the eager systems
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ from nmtflow.data.batching import Batch
 from nmtflow.models.base import Vocabularies, build_model, count_parameters
 from nmtflow.runtime import machine_info
 from throughput import (Optimiser, ReferenceConfig, ReferenceTransformer, add_common_args, default_work,
-                        prepared_data, timed_training, training_batches)
+                        prepared_data, timed_training, training_batches, write_json)
 
 # dense (no sparsity) bf16 tensor-core peaks, FLOP/s, from the vendors' data sheets
 BF16_PEAK = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "GH200": 989.4e12, "A100": 312e12,
@@ -78,7 +77,8 @@ def where_time_goes(opt: Optimiser, batches: list[Batch], wall_ms: float) -> dic
     kernels = kernel_times(opt, batches)
     by_kind: dict[str, float] = {}
     for name, (ms, _) in kernels.items():
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + ms
+        kind = kernel_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
     kernel_ms = sum(by_kind.values())
     return {"kernel_ms_per_step": kernel_ms, "kernels_per_step": sum(n for _, n in kernels.values()),
             "gpu_busy_share": kernel_ms / wall_ms,
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     measure(systems)
     a, b = result["nmtflow"], result["reference_nn_transformer"]
     result["ratios"] = {"train_tokens_per_s": a["train_tgt_tokens_per_s"] / b["train_tgt_tokens_per_s"]}
-    write(args.out, result)
+    write_json(args.out, result)
     if args.compile:
         if time.perf_counter() - started < args.compile_budget_s:
             torch.manual_seed(args.seed)
@@ -179,15 +179,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                        / a["train_tgt_tokens_per_s"])
         else:
             result["nmtflow_compiled"] = {"skipped": f"--compile-budget-s {args.compile_budget_s:g} spent"}
-        write(args.out, result)
+        write_json(args.out, result)
     result["seconds"] = time.perf_counter() - started
-    write(args.out, result)
+    write_json(args.out, result)
     return result
 
-
-def write(path: Path, result: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -289,6 +289,12 @@ def interleaved_median_ms(cases: dict[str, Callable[[], Any]], repeats: int, war
     return {name: 1e3 * statistics.median(t) for name, t in seconds.items()}
 
 
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    """A benchmark's result as indented JSON at ``path`` (its folder made if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
 def minor_faults() -> int:
     """Minor page faults of this process so far (pages the kernel had to map on first touch)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
