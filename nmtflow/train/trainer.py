@@ -8,6 +8,7 @@ processes, and resuming with another number is an error (the data shards would d
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -543,6 +544,8 @@ class Trainer:
         log.info("training stopped: %s (update %d, %.1f min)", p.stopped, p.update, p.elapsed / 60)
         if self.dist.enabled:
             distributed.barrier()  # rank 0 has written its last checkpoint
+            self.ddp = None  # DDP's reducer holds the process group and its last work: gone before the group is
+            gc.collect()
             distributed.cleanup()
         if self.dist.is_main:
             unlock_save_dir(self.save_dir)
