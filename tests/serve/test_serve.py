@@ -21,10 +21,11 @@ import uvicorn  # noqa: E402
 import nmtflow  # noqa: E402
 from nmtflow.analysis.attention_maps import attention_maps  # noqa: E402
 from nmtflow.cli import main  # noqa: E402
-from nmtflow.config import load_config  # noqa: E402
+from nmtflow.config import load_config, to_dict  # noqa: E402
 from nmtflow.data.batching import collate  # noqa: E402
 from nmtflow.serve.app import create_app, model_names  # noqa: E402
-from tests.conftest import copy_sentences  # noqa: E402
+from nmtflow.train.trainer import Trainer  # noqa: E402
+from tests.conftest import copy_sentences, tiny_config  # noqa: E402
 from tests.decode.test_ensemble import train  # noqa: E402
 from tests.train.test_train_review import three_langs  # noqa: F401,E402  (the tiny en/de/fr fixture)
 
@@ -37,7 +38,7 @@ LINES = copy_sentences(16, 31)
 def checkpoints(one_thread: None, copy_data: Path, three_langs: Path,  # noqa: F811
                 tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Tiny checkpoints of every kind of flow: a Transformer trained until it writes words, phrasal attention,
-    feature-fusion shortcuts, an LSTM and a multilingual attention bridge on Transformer stacks (1-2 updates each)."""
+    feature-fusion shortcuts, an LSTM (no flow) and a multilingual attention bridge on Transformer stacks (1-2 updates each)."""
     from nmtflow.train.multilingual import MultilingualTrainer
 
     root = tmp_path_factory.mktemp("serve")
@@ -50,6 +51,11 @@ def checkpoints(one_thread: None, copy_data: Path, three_langs: Path,  # noqa: F
                          decoder_self_attention=phrasal, cross_attention=phrasal),
         "fusion": train(copy_data, root / "fusion", 3, encoder_self_attention=fused, decoder_self_attention=fused),
     }
+    raw = to_dict(tiny_config(copy_data, root / "rnn", max_updates=1, valid_bleu=False, validate_every=0,
+                              save_every=0, threads=1))
+    raw["model"] = {"name": "rnn", "hidden_dim": 16, "encoder_layers": 1, "decoder_layers": 1}
+    Trainer(load_config(data=raw)).train()
+    paths["rnn"] = str(root / "rnn" / "checkpoint_last.pt")
     save = root / "bridge"
     MultilingualTrainer(load_config(data={
         "model": {"name": "bridge", "encoder": "transformer", "decoder": "transformer", "hidden_dim": 16,
@@ -104,9 +110,9 @@ def test_health_and_models(server: tuple[str, Any], checkpoints: dict[str, str])
     models = {m["name"]: m for m in body["models"]}
     assert status == 200 and list(models) == list(checkpoints)
     assert {k: m["architecture"] for k, m in models.items()} == {
-        "transformer": "transformer", "phrasal": "phrasal", "fusion": "shortcuts", "bridge": "bridge"}
+        "transformer": "transformer", "phrasal": "phrasal", "fusion": "shortcuts", "rnn": "rnn", "bridge": "bridge"}
     assert {k: m["flow"] for k, m in models.items()} == {
-        "transformer": ["attention"], "phrasal": ["attention"], "fusion": ["attention", "gates"],
+        "transformer": ["attention"], "phrasal": ["attention"], "fusion": ["attention", "gates"], "rnn": [],
         "bridge": ["attention", "bridge"]}
     assert models["transformer"]["checkpoint"] == "checkpoint_last.pt"
     assert models["transformer"]["multilingual"] is False and models["transformer"]["src_langs"] is None
@@ -204,6 +210,10 @@ def test_flow_of_phrasal_shortcut_and_bridge_models(server: tuple[str, Any]) -> 
     assert [sum(row) for row in bridge["weights"]] == pytest.approx([1.0] * 3, abs=1e-3)
     cross = [a for a in out["attention"] if a["slot"] == "decoder.cross_attn"]
     assert cross and cross[0]["keys"]["1"] == ["M1", "M2", "M3"]
+    out = flow(base, {"model": "rnn", "sentence": LINES[4], "target": "alpha"})  # an LSTM: tokens, no flow
+    assert (out["attention"], out["gates"], out["bridge"]) == ([], [], None)
+    assert out["translation"] == "alpha" and out["target_tokens"][-1] == "</s>"
+    assert len(out["target_tokens"]) == len(out["target_input_tokens"]) and out["source_tokens"][-1] == "</s>"
 
 
 @pytest.mark.parametrize("path, body, status, message", [
