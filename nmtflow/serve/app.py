@@ -394,22 +394,47 @@ def create_app(models: dict[str, Model], *, max_sentences: int = 32, max_chars: 
         return FileResponse(page) if page.is_file() else HTMLResponse(PLACEHOLDER)
 
     app.mount("/static", StaticFiles(directory=STATIC, check_dir=False), name="static")
-    app.add_middleware(JsonBodies)
+    # sources and targets of the longest request, each character escaped as a surrogate pair (12 bytes), and room
+    # for the other fields
+    app.add_middleware(JsonBodies, max_bytes=2 * max_sentences * max_chars * 12 + 65536)
     return app
 
 
 class JsonBodies:
-    """ASGI wrapper: every request body is read as JSON, whatever its Content-Type says (``curl -d`` sends form
-    encoding)."""
+    """ASGI wrapper for POST requests: the body is read as JSON whatever its Content-Type says (``curl -d`` sends
+    form encoding), and a body over ``max_bytes`` is answered with a 413 before any of it is parsed."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
-            scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+        scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        chunks, size, more = [], 0, True
+        while more:  # read (and count) the body before the app parses it
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                refusal = JSONResponse({"error": f"request body over {self.max_bytes} bytes"}, status_code=413)
+                await refusal(scope, receive, send)
+                return
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 def check_positions(translator: Translator, sentences: list[str]) -> None:

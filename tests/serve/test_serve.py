@@ -248,6 +248,8 @@ def test_malformed_json_and_unknown_paths(server: tuple[str, Any]) -> None:
     status, out = call(base, "/api/translate", raw=b'{"sentences": [')
     assert "malformed JSON" in out["error"]
     assert call(base, "/api/nothing")[0] == 404
+    status, out = call(base, "/api/translate", raw=b'{"sentences": ["' + b"a" * 200_000 + b'"]}')
+    assert status == 413 and "request body over" in out["error"]  # refused before parsing
     with urllib.request.urlopen(base + "/static/vendor/plotly.min.js", timeout=30) as response:
         assert b"plotly" in response.read(4096).lower()
     with urllib.request.urlopen(base + "/", timeout=30) as response:
