@@ -81,6 +81,11 @@ class Model:
         return isinstance(self._opened[0], MultilingualCheckpoint)
 
     @property
+    def networks(self) -> list[torch.nn.Module]:
+        """The checkpoints' models (a multilingual one: all its encoders and decoders), in eval mode."""
+        return [o.model for o in self._opened]
+
+    @property
     def directions(self) -> list[str]:
         """The trained directions (``SRC-TGT``) of all the checkpoints."""
         return self._common("directions")

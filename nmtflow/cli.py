@@ -505,6 +505,21 @@ def _embedder(args: argparse.Namespace):
 
 
 @command
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        from nmtflow.serve.app import create_app, load_models, serve
+    except ImportError as exc:
+        raise ValueError(f"serve needs the serve extra: pip install 'nmtflow[serve]' ({exc})") from None
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: expected 0-65535")
+    models = load_models(args.checkpoints, args.name, device=args.device, ensemble=args.ensemble)
+    app = create_app(models, max_sentences=args.max_sentences, max_chars=args.max_chars,
+                     max_batch_tokens=args.max_batch_tokens)
+    serve(app, args.host, args.port)
+
+
+@command
 def cmd_embed(args: argparse.Namespace) -> None:
     import numpy as np
 
@@ -695,6 +710,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tgt")
     p.add_argument("--candidates", help="TSV: source, correct translation, incorrect translations…")
     p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("serve", help="an HTTP server: translate, score and explore the information flow of "
+                                     "checkpoints in the browser (needs the serve extra)")
+    p.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoints (.pt) served side by side")
+    p.add_argument("--name", nargs="+", help="the models' names in the API (default: each file's stem, or its "
+                                             "folder's name for checkpoint_*.pt)")
+    p.add_argument("--ensemble", action="store_true", help="serve all checkpoints as one ensemble named 'ensemble'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "
+                                                      "only; 0.0.0.0 opens it to the network)")
+    p.add_argument("--port", type=int, default=8080, help="default: %(default)s")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--max-sentences", type=int, default=32, help="sentences per request (default: %(default)s)")
+    p.add_argument("--max-chars", type=int, default=1000, help="characters per sentence (default: %(default)s)")
+    p.add_argument("--max-batch-tokens", type=int, default=4000,
+                   help="source tokens per decoding batch (default: %(default)s)")
 
     p = sub.add_parser("embed", help="sentence embeddings (a bridge's M, pooled; other encoders: mean states) → .npy")
     _embedding_options(p)

@@ -29,16 +29,18 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from nmtflow.analysis.report import write_json
-from nmtflow.analysis.states import check_limits
+from nmtflow.analysis.states import check_limits, gates_on_target, recording_gates
 from nmtflow.data.batching import TokenBatchSampler, collate
 from nmtflow.data.bitext import Bitext
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.data.vocab import PAD
 from nmtflow.decode.multilingual import open_translator
+from nmtflow.decode.translate import Translator
 from nmtflow.evaluate.perplexity import check_positions, open_checkpoint_data
 from nmtflow.models.base import EncoderDecoder, device_of, position_limits
 from nmtflow.nn.attention import AttentionContext, MultiHeadAttention
 from nmtflow.nn.phrasal import PhrasalAttention, split_phrasal_weights
+from nmtflow.nn.shortcuts import ShortcutAttention
 
 SLOT_TITLES = {"encoder.self_attn": "encoder self-attention", "decoder.self_attn": "decoder self-attention",
                "decoder.cross_attn": "decoder-to-encoder attention"}
@@ -146,28 +148,100 @@ def plot_heat_map(weights: Tensor, ngrams: list[int], rows: list[str], keys: lis
     fig.savefig(path, dpi=100)
 
 
+@dataclass
+class SentenceMaps:
+    """One sentence pair through a model: its token labels, every attention module's weights and every lexical
+    shortcut's gates (batch of one)."""
+
+    src: list[str]  # encoder positions: any <2xx> tag, the sub-words, then EOS (byte pieces shown as characters)
+    tgt_in: list[str]  # decoder inputs: BOS, then the sub-words (the keys of decoder self-attention)
+    tgt_out: list[str]  # what each decoder position predicts: the sub-words, then EOS
+    maps: list[AttentionMap]
+    gates: dict[str, dict[str, Tensor]]  # shortcut module name → {"k": r_k, "v": r_v}, each (S,D) over its keys
+
+    def rows(self, m: AttentionMap) -> list[str]:
+        """The labels of a map's queries: source tokens in the encoder, predicted target tokens in the decoder."""
+        return self.src if m.slot.startswith("encoder.") else self.tgt_out
+
+    def keys(self, m: AttentionMap) -> list[str]:
+        """The labels of a map's keys (n = 1); ``M1`` … ``Mk`` for the cross-attention over an attention bridge."""
+        if m.slot == "decoder.self_attn":
+            return self.tgt_in
+        if m.slot == "decoder.cross_attn" and m.key_length != len(self.src):  # an attention bridge: its k rows of M
+            return [f"M{i + 1}" for i in range(m.key_length)]
+        return self.src
+
+    def gate_keys(self, mod: ShortcutAttention) -> list[str]:
+        return self.tgt_in if gates_on_target(mod) else self.src
+
+
+@torch.no_grad()
+def sentence_maps(model: EncoderDecoder, src_ids: list[int], tgt_ids: list[int], src_tok: Tokenizer,
+                  tgt_tok: Tokenizer, *, src_prefix: int | None = None, record: bool = True) -> SentenceMaps:
+    """Teacher-forced pass of one sentence pair (ids without BOS/EOS; ``src_prefix``: a language-label model's
+    ``<2xx>`` tag before the source) recording attention weights and shortcut gates: what the heat maps and
+    ``nmtflow serve``'s flow view show (``record=False``: the labels only, no pass)."""
+    b = collate([src_ids], [tgt_ids], src_prefix=src_prefix).to(device_of(model))
+    maps: list[AttentionMap] = []
+    gates: dict[str, dict[str, Tensor]] = {}
+    if record:
+        model.eval()
+        with recording(model) as maps, recording_gates(model) as shortcuts:
+            model(b.src, b.tgt_in)
+            gates = {mod.name: {kv: r[0].detach() for kv, r in mod.gates.items()} for mod in shortcuts}
+    return SentenceMaps(src_tok.labels(b.src[0].tolist()), tgt_tok.labels(b.tgt_in[0].tolist()),
+                        tgt_tok.labels(b.tgt_out[0].tolist()), maps, gates)
+
+
+def head_phrase_share(m: AttentionMap) -> Tensor:
+    """Per head (H,): the share of a one-sentence map's attention mass on n-grams with n ≥ 2."""
+    share = phrase_mass(m, torch.ones(1, m.weights.size(2), dtype=torch.bool, device=m.weights.device))
+    return share["phrase"] / share["total"].clamp_min(1e-9)
+
+
 def draw_heat_maps(model: EncoderDecoder, src_ids: list[int], tgt_ids: list[int], src_tok: Tokenizer,
                    tgt_tok: Tokenizer, out_dir: str | Path, *, src_prefix: int | None = None) -> list[Path]:
     """Heat maps of every slot, layer and head for one sentence pair (ids without BOS/EOS; ``src_prefix``: a
     language-label model's ``<2xx>`` tag before the source)."""
-    b = collate([src_ids], [tgt_ids], src_prefix=src_prefix).to(device_of(model))
-    src = src_tok.labels(b.src[0].tolist())  # byte pieces shown as the characters they spell
-    tgt_in = tgt_tok.labels(b.tgt_in[0].tolist())
-    tgt_out = tgt_tok.labels(b.tgt_out[0].tolist())
+    s = sentence_maps(model, src_ids, tgt_ids, src_tok, tgt_tok, src_prefix=src_prefix)
     files = []
-    for m in attention_maps(model, b.src, b.tgt_in):
-        rows = src if m.slot.startswith("encoder.") else tgt_out
-        keys = tgt_in if m.slot == "decoder.self_attn" else src
-        if m.slot == "decoder.cross_attn" and m.key_length != len(src):  # an attention bridge: its k rows of M
-            keys = [f"M{i + 1}" for i in range(m.key_length)]
-        share = phrase_mass(m, torch.ones(1, m.weights.size(2), dtype=torch.bool, device=m.weights.device))
+    for m in s.maps:
+        share = head_phrase_share(m)
         for h in range(m.weights.size(1)):
             path = Path(out_dir) / f"{m.slot}.layer{m.layer + 1}.head{h + 1}.png"
             title = (f"{SLOT_TITLES.get(m.slot, m.slot)}, layer {m.layer + 1}, head {h + 1} "
-                     f"(phrase share {share['phrase'][h] / max(share['total'][h], 1e-9):.0%})")
-            plot_heat_map(m.weights[0, h].cpu(), m.ngrams, rows, keys, title, path)
+                     f"(phrase share {float(share[h]):.0%})")
+            plot_heat_map(m.weights[0, h].cpu(), m.ngrams, s.rows(m), s.keys(m), title, path)
             files.append(path)
     return files
+
+
+def refuse_empty(sentences: dict[str, str | None]) -> None:
+    """A ValueError naming the option of an empty sentence ({option: sentence or None}): its maps would show EOS (or
+    BOS) alone."""
+    for option, sentence in sentences.items():
+        if sentence is not None and not sentence.strip():
+            raise ValueError(f"{option} is empty; give a sentence to draw")
+
+
+def pair_ids(translator: Translator, src: str | None, tgt: str | None, *, src_option: str = "--src",
+             tgt_option: str = "--tgt") -> tuple[list[int], list[int]]:
+    """A sentence pair's ids (no BOS/EOS) for the maps: ``tgt``, or without it the model's own beam translation of
+    ``src``; ValueErrors naming the option (``src_option``/``tgt_option``) for an empty sentence or a ``tgt`` longer
+    than the model's positions."""
+    refuse_empty({src_option: src, tgt_option: tgt})
+    model = translator.model
+    src_ids = translator.encode_source([src or ""])[0]
+    if tgt is not None:
+        tgt_ids = translator.tgt_tokenizer.encode(tgt)
+        limit = position_limits(model.config)[1]
+        if limit is not None and len(tgt_ids) + 1 > limit:  # tgt_in: BOS, then the sub-words
+            raise ValueError(f"{tgt_option}: {len(tgt_ids)} sub-words (with BOS {len(tgt_ids) + 1} positions) do not "
+                             f"fit the model's max_positions={limit}; give a shorter {tgt_option}")
+        return src_ids, tgt_ids
+    if getattr(model.config, "name", "") == "lm":
+        raise ValueError(f"a language model needs {tgt_option} (it ignores {src_option})")
+    return src_ids, translator.translate_ids([src_ids])[0][0].tokens
 
 
 # ---- phrase share over a data set ------------------------------------------------------------------------
@@ -239,9 +313,10 @@ def run_attention_analysis(checkpoint: str | Path, out_dir: str | Path, *, src: 
     """
     if src is None and tgt is None and data is None:
         raise ValueError("analyze attention needs --src/--tgt sentences and/or --data DIR")
-    for option, sentence in (("--src", src), ("--tgt", tgt)):
-        if sentence is not None and not sentence.strip():  # the maps would show EOS (or BOS) alone
-            raise ValueError(f"analyze attention: {option} is empty; give a sentence to draw")
+    try:
+        refuse_empty({"--src": src, "--tgt": tgt})
+    except ValueError as exc:
+        raise ValueError(f"analyze attention: {exc}") from None
     check_limits(max_sentences, max_tokens)
     translator = open_translator(checkpoint, device, src_lang, tgt_lang)
     model, out = translator.model, Path(out_dir)
@@ -252,17 +327,10 @@ def run_attention_analysis(checkpoint: str | Path, out_dir: str | Path, *, src: 
     model.requires_grad_(False)
     files: list[Path] = []
     if src is not None or tgt is not None:
-        src_ids = translator.encode_source([src or ""])[0]
-        if tgt is not None:
-            tgt_ids = translator.tgt_tokenizer.encode(tgt)
-            limit = position_limits(model.config)[1]
-            if limit is not None and len(tgt_ids) + 1 > limit:  # tgt_in: BOS, then the sub-words
-                raise ValueError(f"--tgt: {len(tgt_ids)} sub-words (with BOS {len(tgt_ids) + 1} positions) do not "
-                                 f"fit the model's max_positions={limit}; give a shorter --tgt")
-        elif getattr(model.config, "name", "") == "lm":
-            raise ValueError("analyze attention: a language model needs --tgt (it ignores --src)")
-        else:
-            tgt_ids = translator.translate_ids([src_ids])[0][0].tokens
+        try:
+            src_ids, tgt_ids = pair_ids(translator, src, tgt)
+        except ValueError as exc:
+            raise ValueError(f"analyze attention: {exc}") from None
         files += draw_heat_maps(model, src_ids, tgt_ids, translator.src_tokenizer, translator.tgt_tokenizer, out,
                                 src_prefix=translator.src_prefix)
     if data is not None:

@@ -8,13 +8,14 @@ Only non-padding positions are kept, flattened over the batch.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from nmtflow.checkpoint import load_checkpoint
 from nmtflow.data.bitext import Bitext, open_bitext, tokenizer_path
@@ -115,14 +116,31 @@ def sentence_rows(n: int, max_sentences: int | None, seed: int) -> np.ndarray:
     return rows[:max_sentences] if max_sentences is not None else rows
 
 
+@contextmanager
+def recording_gates(model: nn.Module, active: bool = True) -> Iterator[list[ShortcutAttention]]:
+    """Inside the block every lexical-shortcut module of ``model`` (none unless ``active``) keeps the gates of its
+    last call in ``mod.gates`` (``{"k": r_k, "v": r_v}``, (B,S,D) over its key positions); cleared after."""
+    shortcuts = [mod for mod in model.modules() if isinstance(mod, ShortcutAttention)] if active else []
+    for mod in shortcuts:
+        mod.record_gates = True
+    try:
+        yield shortcuts
+    finally:
+        for mod in shortcuts:
+            mod.record_gates = False
+            mod.gates, mod.gate_stats = {}, {}
+
+
+def gates_on_target(mod: ShortcutAttention) -> bool:
+    """Whether a shortcut module's keys are target positions (decoder self-attention: ``tgt_in``) or source ones."""
+    return mod.name.startswith("decoder.") and mod.self_attention
+
+
 @torch.no_grad()
 def iter_states(m: Model, rows: np.ndarray, max_tokens: int = 4000, gates: bool = False) -> Iterator[BatchStates]:
     """Run the frozen model over ``rows`` of its split in length-sorted batches; yield their states."""
     model = m.model.eval()
-    shortcuts = [mod for mod in model.modules() if isinstance(mod, ShortcutAttention)] if gates else []
-    for mod in shortcuts:
-        mod.record_gates = True
-    try:
+    with recording_gates(model, gates) as shortcuts:
         lengths = np.maximum(m.data.src.sizes[rows], m.data.tgt.sizes[rows]).tolist()
         for idx in batches_by_length(lengths, max_tokens):
             b = m.data.batch(rows[idx]).to(m.device)
@@ -135,11 +153,7 @@ def iter_states(m: Model, rows: np.ndarray, max_tokens: int = 4000, gates: bool 
             out = BatchStates(b.src[src_keep], b.tgt_in[tgt_keep],
                               [h[src_keep] for h in [enc["embeddings"], *enc_layers]],
                               [h[tgt_keep] for h in [tgt_emb, *dec_layers]])
-            for mod in shortcuts:  # keys of decoder self-attention are target positions, all others source
-                keep = tgt_keep if mod.name.startswith("decoder.") and mod.self_attention else src_keep
+            for mod in shortcuts:
+                keep = tgt_keep if gates_on_target(mod) else src_keep
                 out.gates[mod.name] = {kv: r[keep] for kv, r in mod.gates.items()}
             yield out
-    finally:
-        for mod in shortcuts:
-            mod.record_gates = False
-            mod.gates, mod.gate_stats = {}, {}

@@ -300,8 +300,14 @@ def _sequential_search(model: EncoderDecoder, src: Tensor, choose: Callable[[Ten
 
 
 @torch.no_grad()
-def sequence_logprobs(model: EncoderDecoder, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
-    """log P(y|x) = Σ_t log p(y_t | y_<t, x) per sentence (B,), EOS included, padding excluded."""
+def token_logprobs(model: EncoderDecoder, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
+    """log p(y_t | y_<t, x) of every target position (B,T), EOS included; 0 at padding."""
     lprobs = F.log_softmax(model(src, tgt_in).float(), dim=-1)  # (B,T,V)
     token_lp = lprobs.gather(-1, tgt_out.unsqueeze(-1)).squeeze(-1)
-    return token_lp.masked_fill(tgt_out.eq(PAD), 0.0).sum(1)
+    return token_lp.masked_fill(tgt_out.eq(PAD), 0.0)
+
+
+@torch.no_grad()
+def sequence_logprobs(model: EncoderDecoder, src: Tensor, tgt_in: Tensor, tgt_out: Tensor) -> Tensor:
+    """log P(y|x) = Σ_t log p(y_t | y_<t, x) per sentence (B,), EOS included, padding excluded."""
+    return token_logprobs(model, src, tgt_in, tgt_out).sum(1)

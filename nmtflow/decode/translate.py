@@ -22,7 +22,7 @@ from nmtflow.config import Config, DecodeConfig, config_from_dict
 from nmtflow.data.batching import collate
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.decode.search import (Hypothesis, beam_search, decoder_limit, greedy_search, sample_search,
-                                   sequence_logprobs)
+                                   token_logprobs)
 from nmtflow.decode.unknowns import UnknownTally
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, position_limits
 from nmtflow.runtime import new_file_mode
@@ -366,10 +366,15 @@ class Translator:
             self.unknowns = outer
             tally.warn(name)  # nothing counted in it where an outer tally was set
 
-    @torch.no_grad()
     def score(self, sources: list[str], targets: list[str], files: tuple[str, str] | None = None, *,
               where: Callable[[int, str], str] | None = None) -> list[float]:
-        """log P(target | source) per pair (natural log, EOS included).
+        """log P(target | source) per pair (natural log, EOS included): the sums of :meth:`token_scores`."""
+        return [total for total, _ in self.token_scores(sources, targets, files, where=where)]
+
+    @torch.no_grad()
+    def token_scores(self, sources: list[str], targets: list[str], files: tuple[str, str] | None = None, *,
+                     where: Callable[[int, str], str] | None = None) -> list[tuple[float, list[float]]]:
+        """(log P(target | source), [log p(y_t | y_<t, x) per target token, EOS last]) per pair (natural log).
 
         Sources are cut at ``decode.max_input_tokens`` (with a warning); a target, or a source, that does not fit
         the model's positions is a ValueError naming it: ``where(pair, side)`` (side ``source`` | ``target``)
@@ -402,11 +407,12 @@ class Translator:
             if tgt_positions is not None and len(seq) > tgt_positions - 1:  # BOS and the pieces fill them
                 raise ValueError(f"{locate(n, 'target')} has {len(seq)} tokens; the model scores at most "
                                  f"{tgt_positions - 1} (a target is never truncated)")
-        out = [0.0] * len(sources)
+        out: list[tuple[float, list[float]]] = [(0.0, [])] * len(sources)
         lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]
         for batch in batches_by_length(lengths, self.decode.max_tokens):
             b = collate([src_ids[i] for i in batch], [tgt_ids[i] for i in batch], src_prefix=self.src_prefix)
             b = b.to(self.device)
-            for i, lp in zip(batch, sequence_logprobs(self.model, b.src, b.tgt_in, b.tgt_out).tolist()):
-                out[i] = lp
+            token_lp = token_logprobs(self.model, b.src, b.tgt_in, b.tgt_out)  # (B,T), 0 at padding
+            for i, total, lps in zip(batch, token_lp.sum(1).tolist(), token_lp.tolist()):
+                out[i] = (total, lps[:len(tgt_ids[i]) + 1])  # the pieces, then EOS
         return out
