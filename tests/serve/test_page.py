@@ -6,11 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import socket
-import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,9 +15,10 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install 'nmtflow[serve]')")
 pytest.importorskip("plotly", reason="the serve extra is not installed (pip install 'nmtflow[serve]')")
-uvicorn = pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install 'nmtflow[serve]')")
+pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install 'nmtflow[serve]')")
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install 'nmtflow[test]')")
 
+from nmtflow.serve.background import BackgroundServer, chromium_binary  # noqa: E402
 from tests.decode.test_ensemble import train  # noqa: E402
 from tests.train.test_train_review import bridge_run, three_langs  # noqa: E402,F401  (en/de/fr fixture)
 
@@ -33,34 +29,13 @@ PHRASAL = {"type": "phrasal", "ngrams": [1, 2]}
 SHORTCUT = {"type": "shortcut"}
 
 
-def chromium() -> str | None:
-    """Debian's Chromium (or ``NMTFLOW_CHROMIUM``); never a browser that Playwright downloads."""
-    for candidate in (os.environ.get("NMTFLOW_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
-                      shutil.which("chromium-browser")):
-        if candidate and Path(candidate).is_file():
-            return candidate
-    return None
-
-
-if chromium() is None:
+if chromium_binary() is None:
     pytest.skip("no Chromium binary (apt-get install chromium, or set NMTFLOW_CHROMIUM)", allow_module_level=True)
 
 
 # ---- a served app on 127.0.0.1 -----------------------------------------------------------------------------------
-class Server:
-    """``create_app(models)`` served by uvicorn in a background thread on a free port of 127.0.0.1."""
-
-    def __init__(self, app: Any) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.05)
+class Server(BackgroundServer):
+    """The app in a background thread, with a JSON client to ask the API what the page should show."""
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         req = urllib.request.Request(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -69,11 +44,6 @@ class Server:
                 return r.status, json.load(r)
         except urllib.error.HTTPError as e:
             return e.code, json.load(e)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +77,7 @@ def server(one_thread: None, copy_data: Path, three_langs: Path,  # noqa: F811
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox", "--disable-gpu"])
+        b = p.chromium.launch(executable_path=chromium_binary(), args=["--no-sandbox", "--disable-gpu"])
         yield b
         b.close()
 
