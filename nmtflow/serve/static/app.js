@@ -362,7 +362,7 @@ class SlotView {
     const zmax = Math.max(1e-6, ...halves.map(h => maxOf(h.z)));
     const cols = halves.reduce((acc, h) => acc + h.labels.length, 0);
     const left = 12 + 6.5 * Math.max(...rows.map(r => Math.min(r.length, 14)));
-    const bottom = 16 + 5.5 * Math.max(...halves.flatMap(h => h.labels.map(l => Math.min(l.length, 14))));
+    const bottom = 30 + 5.5 * Math.max(...halves.flatMap(h => h.labels.map(l => Math.min(l.length, 14))));
     const room = (this.node.clientWidth || 900) - left - 110;
     const px = clamp(room / (cols + 2 * (halves.length - 1)), 10, 26);
     const gapFrac = halves.length > 1 ? 2 * px / (cols * px + 2 * px) : 0;
@@ -488,7 +488,7 @@ function heatSection(title, subtitle, z, rows, cols, {scale = SCALE, zmax = null
     el("div", {class: "section-head"}, el("h3", {}, title)), el("p", {class: "muted small"}, subtitle), plot);
   node.addEventListener("drawn", () => {
     const left = 12 + 6.5 * Math.max(...rows.map(r => r.length));
-    const bottom = 16 + 5.5 * Math.max(...cols.map(c => Math.min(c.length, 14)));
+    const bottom = 30 + 5.5 * Math.max(...cols.map(c => Math.min(c.length, 14)));
     const px = clamp(((node.clientWidth || 900) - left - 110) / cols.length, 10, 26);
     Plotly.newPlot(plot, [{type: "heatmap", z, colorscale: scale, zmin: 0,
       zmax: zmax ?? Math.max(1e-6, maxOf(z)), xgap: 0.5, ygap: 0.5, colorbar: {thickness: 12},
