@@ -302,3 +302,23 @@ def test_model_names_and_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["serve", str(tmp_path / "missing.pt"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("nmtflow serve: error:") and "missing.pt" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("model", [
+    {"name": "convs2s", "embed_dim": 16, "hidden": 16, "encoder_layers": 1, "decoder_layers": 1},
+    {"name": "densenmt", "embed_dim": 16, "hidden": 16, "growth": 8, "encoder_layers": 2, "decoder_layers": 2,
+     "attention": "dense2"},
+], ids=["convs2s", "densenmt"])
+def test_flow_of_models_without_attention_modules(copy_data: Path, tmp_path: Path, model: dict[str, Any]) -> None:
+    """Convolutional models have no nmtflow.nn.attention modules: their flow is the tokens and nothing else."""
+    from nmtflow.serve.flow import flow_kinds, sentence_flow
+
+    raw = to_dict(tiny_config(copy_data, tmp_path, max_updates=1, valid_bleu=False, validate_every=0, save_every=0,
+                              threads=1))
+    raw["model"] = model
+    Trainer(load_config(data=raw)).train()
+    translator = nmtflow.load(str(tmp_path / "checkpoint_last.pt"), "cpu").translator()
+    out = sentence_flow(translator, LINES[0], "alpha bravo")
+    assert flow_kinds(translator.model) == [] and out["architecture"] == model["name"]
+    assert (out["attention"], out["gates"], out["bridge"]) == ([], [], None)
+    assert out["target_tokens"][-1] == "</s>" and len(out["target_tokens"]) == len(out["target_input_tokens"])
