@@ -21,9 +21,9 @@ from nmtflow.checkpoint import CheckpointError, load_checkpoint, model_mismatch,
 from nmtflow.config import Config, DecodeConfig, config_from_dict
 from nmtflow.data.batching import collate
 from nmtflow.data.tokenizer import Tokenizer
+from nmtflow.decode.precision import model_in_precision
 from nmtflow.decode.search import (Hypothesis, beam_search, decoder_limit, greedy_search, sample_search,
                                    sequence_logprobs)
-from nmtflow.decode.precision import model_in_precision
 from nmtflow.decode.unknowns import UnknownTally
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, position_limits
 from nmtflow.runtime import new_file_mode

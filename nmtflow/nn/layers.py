@@ -72,9 +72,7 @@ def token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
 def output_logits(x: Tensor, weight: Tensor) -> Tensor:
     """The output layer's logits x·Wᵀ (…,V) for x (…,D) and W (V,D). A bf16 ``x`` meets a float32 ``W`` in the bf16
     decoding copy (:func:`nmtflow.decode.precision.model_in_precision`): x is cast up, so that the logits keep
-    float32's resolution for the log-softmax and the beam scores (as one (N,D)·(D,V) product: a strided 3-D input
-    cast up would make ``F.linear`` copy W per batch row). Under autocast ``F.linear`` casts as usual."""
+    float32's resolution for the log-softmax and the beam scores. Under autocast ``F.linear`` casts as usual."""
     if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-        flat = x.reshape(-1, x.size(-1)).to(weight.dtype)
-        return F.linear(flat, weight).view(*x.shape[:-1], weight.size(0))
+        x = x.to(weight.dtype)
     return F.linear(x, weight)
