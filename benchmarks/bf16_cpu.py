@@ -9,10 +9,15 @@ precision, and trained on the same batches in alternating blocks (``throughput.p
 ``fp32``; ``bf16`` (``train.precision: bf16``, autocast, as nmtflow trains); with ``--old-attention`` also
 ``bf16_sdpa_in_bf16``, the same with attention left to PyTorch's bf16 CPU kernel (nmtflow before it computed CPU
 attention in fp32 under bf16). Then both main systems train ``--loss-updates`` more updates on the same batches and
-their validation loss (in fp32, on the first ``--valid-sentences`` pairs) is compared. Last, the fp32-trained model
-translates the first ``--decode-sentences`` validation sentences with beam search in fp32 and under bf16 autocast
-(which ``nmtflow translate`` does not offer yet), alternating batch by batch: sentences/s and the share of identical
-outputs.
+their validation loss (in fp32, on the first ``--valid-sentences`` pairs) is compared (``--decode-only`` skips
+training). Last, a model translates the first ``--decode-sentences`` validation sentences with beam search,
+alternating batch by batch between the decoding systems: ``fp32``; ``bf16`` (``decode.precision: bf16``: a bf16 copy
+of the weights, the output layer in fp32, :mod:`nmtflow.decode.precision`); ``bf16_logits_in_bf16`` (the same copy
+with the output layer in bf16 too); ``bf16_autocast`` (fp32 weights under bf16 autocast). Reported: sentences/s,
+the speed over fp32 in wall time and in this process's CPU time (less disturbed by other work on the machine) and
+the share of outputs identical to fp32's. The model is the fp32-trained one of the training part, or, with
+``--decode-checkpoint``, a trained checkpoint (its sources: ``DATA/val.SRC`` through its own tokenizer). The
+machine's load average is recorded before and after (the timings need an idle CPU).
 
 On a CPU without native bf16 (neither AMX nor AVX-512 BF16) bf16 is emulated and many times slower: the script
 then records the machine and skips, unless ``--force``.
@@ -22,10 +27,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -33,13 +39,14 @@ import nmtflow.nn.attention as attention
 from nmtflow.config import load_config
 from nmtflow.data.batching import Batch, TokenBatchSampler, collate
 from nmtflow.data.bitext import open_bitext
+from nmtflow.decode.precision import model_in_precision
 from nmtflow.decode.search import beam_search
-from nmtflow.decode.translate import batches_by_length
+from nmtflow.decode.translate import Translator, batches_by_length
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
 from nmtflow.runtime import autocast, cpu_info, machine_info
 from nmtflow.train.loss import label_smoothed_nll
-from throughput import (Optimiser, add_common_args, default_work, prepared_data, timed_training, training_batches,
-                        write_json)
+from throughput import Optimiser, add_common_args, default_work, prepared_data, training_batches, write_json
+from throughput import timed_training as alternating_training
 
 
 @contextmanager
@@ -72,6 +79,46 @@ def valid_nll(model: EncoderDecoder, batches: list[Batch]) -> float:
     return total / tokens
 
 
+def decoding_systems(model: EncoderDecoder) -> dict[str, tuple[EncoderDecoder, str]]:
+    """name → (model, autocast precision) of each way to decode ``model`` (fp32 weights) compared here."""
+    return {"fp32": (model, "fp32"), "bf16": (model_in_precision(model, "bf16"), "fp32"),
+            "bf16_logits_in_bf16": (copy.deepcopy(model).to(torch.bfloat16), "fp32"),
+            "bf16_autocast": (model, "bf16")}
+
+
+def timed_decoding(model: EncoderDecoder, sources: list[list[int]], args: argparse.Namespace,
+                   device: torch.device) -> dict[str, Any]:
+    """Beam search over ``sources`` with each of :func:`decoding_systems`, alternating batch by batch (after one
+    untimed batch each): sentences/s, speed over fp32 and the share of outputs identical to fp32's."""
+    systems = decoding_systems(model.eval())
+    src_batches = [collate([sources[i] for i in r], [[]] * len(r)).src
+                   for r in batches_by_length([len(s) for s in sources], args.decode_max_tokens)]
+    seconds = {name: 0.0 for name in systems}
+    cpu_seconds = {name: 0.0 for name in systems}  # this process's CPU time: less disturbed by other processes
+    outputs: dict[str, list[list[int]]] = {name: [] for name in systems}
+    search = dict(beam_size=args.beam, len_penalty=0.6, max_len_a=1.5, max_len_b=10)
+    with torch.inference_mode():
+        for name, (decoder, precision) in systems.items():  # warm-up
+            with autocast(precision, device):
+                beam_search(decoder, src_batches[0][:8], **search)
+        for src in src_batches:
+            for name, (decoder, precision) in systems.items():
+                start, cpu_start = time.perf_counter(), time.process_time()
+                with autocast(precision, device):
+                    hyps = beam_search(decoder, src, **search)
+                seconds[name] += time.perf_counter() - start
+                cpu_seconds[name] += time.process_time() - cpu_start
+                outputs[name] += [h[0].tokens for h in hyps]
+    result: dict[str, Any] = {}
+    for name in systems:
+        same = sum(a == b for a, b in zip(outputs["fp32"], outputs[name])) / len(sources)
+        result[name] = {"sentences_per_s": len(sources) / seconds[name], "seconds": seconds[name],
+                        "speed_over_fp32": seconds["fp32"] / seconds[name], "cpu_seconds": cpu_seconds[name],
+                        "cpu_time_speed_over_fp32": cpu_seconds["fp32"] / cpu_seconds[name],
+                        "identical_output_share": same}
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, required=True, help="directory with train.LANG and val.LANG")
@@ -85,29 +132,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--valid-sentences", type=int, default=500)
     p.add_argument("--decode-sentences", type=int, default=200)
     p.add_argument("--decode-max-tokens", type=int, default=6000)
+    p.add_argument("--decode-checkpoint", type=Path, help="decode with this trained checkpoint (not the benchmark's "
+                   "model); its sources: DATA/val.SRC through its tokenizer")
+    p.add_argument("--decode-only", action="store_true", help="skip training: time decoding only")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--force", action="store_true", help="run even where the CPU has no native bf16")
     add_common_args(p, warmup=3, steps=24, rounds=4)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
-    result: dict[str, Any] = {"machine": machine_info(device, threads=torch.get_num_threads())}
+    result: dict[str, Any] = {"machine": machine_info(device, threads=torch.get_num_threads()),
+                              "load_average_before": os.getloadavg()}
     if not cpu_info()["native_bf16"] and not args.force:
         result["skipped"] = "this CPU has no native bf16 (AMX or AVX-512 BF16): bf16 is emulated here"
         write_json(args.out, result)
         print(result["skipped"])
         return result
 
+    if args.decode_checkpoint is not None and args.decode_only:  # no prepared data needed
+        result.update(decode_checkpoint(args, device))
+        result["load_average_after"] = os.getloadavg()
+        write_json(args.out, result)
+        return result
     work = args.work or default_work(args)
     vocab = prepared_data(args, work)
-    count = args.warmup + args.steps + args.loss_updates
-    batches = training_batches(work, args, count, device)
-    warm, timed = batches[:args.warmup], batches[args.warmup:args.warmup + args.steps]
-    more = batches[args.warmup + args.steps:]
     valid = open_bitext(work, "valid", args.src, args.tgt)
-    rows = list(range(min(args.valid_sentences, len(valid))))
-    sampler = TokenBatchSampler(valid.src.sizes[rows], valid.tgt.sizes[rows], args.max_tokens, shuffle=False)
-    valid_batches = [valid.batch(idx) for idx in sampler.batches(1)]
 
     def config(precision: str) -> Any:
         return load_config(data={
@@ -118,13 +167,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)
     model = build_model(config("fp32").model, Vocabularies(vocab, vocab, joint=True))
+    result["config"] = {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
+                        "preset": args.preset, "layers": args.layers, "parameters": count_parameters(model),
+                        "seed": args.seed}
+    if not args.decode_only:
+        result.update(timed_training(args, model, config, work, valid, device))
+    if args.decode_checkpoint is not None:
+        result.update(decode_checkpoint(args, device))
+    else:
+        sources = [valid.src[i].tolist() for i in range(min(args.decode_sentences, len(valid)))]
+        result["decode"] = timed_decoding(model, sources, args, device)
+        result["config"].update(decode_sentences=len(sources), beam=args.beam,
+                                decode_model="the fp32 system after the training part" if not args.decode_only
+                                else "untrained")
+    result["load_average_after"] = os.getloadavg()
+    write_json(args.out, result)
+    return result
+
+
+def decode_checkpoint(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """``timed_decoding`` of ``--decode-checkpoint`` on the first ``--decode-sentences`` lines of DATA/val.SRC."""
+    translator = Translator.from_checkpoint(args.decode_checkpoint, device)
+    lines = (args.data / f"val.{args.src}").read_text(encoding="utf-8").splitlines()[:args.decode_sentences]
+    sources = translator.encode_source(lines)
+    return {"decode": timed_decoding(translator.model, sources, args, device),
+            "decode_config": {"checkpoint": args.decode_checkpoint.name,
+                              "model": translator.config.model.name if translator.config else "?",
+                              "parameters": count_parameters(translator.model), "decode_sentences": len(sources),
+                              "beam": args.beam}}
+
+
+def timed_training(args: argparse.Namespace, model: EncoderDecoder, config: Callable[[str], Any], work: Path,
+                   valid: Any, device: torch.device) -> dict[str, Any]:
+    """Training speed of fp32 and bf16 (and bf16 with attention in bf16) on the same batches, then the validation
+    loss of both after ``--loss-updates`` more; the fp32 system's model is trained in place."""
+    count = args.warmup + args.steps + args.loss_updates
+    batches = training_batches(work, args, count, device)
+    warm, timed = batches[:args.warmup], batches[args.warmup:args.warmup + args.steps]
+    more = batches[args.warmup + args.steps:]
+    rows = list(range(min(args.valid_sentences, len(valid))))
+    sampler = TokenBatchSampler(valid.src.sizes[rows], valid.tgt.sizes[rows], args.max_tokens, shuffle=False)
+    valid_batches = [valid.batch(idx) for idx in sampler.batches(1)]
     systems: dict[str, Optimiser] = {"fp32": Optimiser(model, config("fp32").train),
                                      "bf16": Optimiser(copy.deepcopy(model), config("bf16").train)}
     if args.old_attention:
         systems["bf16_sdpa_in_bf16"] = OldAttention(copy.deepcopy(model), config("bf16").train)
 
     # 1. training speed on the same batches, alternating blocks
-    seconds, _, _ = timed_training(systems, warm, timed, args.rounds, device)
+    seconds, _, _ = alternating_training(systems, warm, timed, args.rounds, device)
     tokens = sum(b.num_tgt_tokens for b in timed)
     train = {name: {"tgt_tokens_per_s": tokens / s, "seconds": s} for name, s in seconds.items()}
     for name in train:
@@ -134,47 +224,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for b in more:
         for name in ("fp32", "bf16"):
             systems[name].step(b)
-    updates = len(warm) + len(timed) + len(more)
     loss = {name: valid_nll(systems[name].model, valid_batches) for name in ("fp32", "bf16")}
-
-    # 3. beam search with the fp32-trained model, in fp32 and under bf16 autocast, alternating per batch
-    decoder = systems["fp32"].model.eval()
-    sources = [valid.src[i].tolist() for i in range(min(args.decode_sentences, len(valid)))]
-    src_batches = [collate([sources[i] for i in r], [[]] * len(r)).src
-                   for r in batches_by_length([len(s) for s in sources], args.decode_max_tokens)]
-    dec_seconds = {"fp32": 0.0, "bf16": 0.0}
-    outputs: dict[str, list[list[int]]] = {"fp32": [], "bf16": []}
-    with torch.inference_mode():
-        for src in src_batches:
-            for name in ("fp32", "bf16"):
-                start = time.perf_counter()
-                with autocast(name, device):
-                    hyps = beam_search(decoder, src, beam_size=args.beam, len_penalty=0.6, max_len_a=1.5,
-                                       max_len_b=10)
-                dec_seconds[name] += time.perf_counter() - start
-                outputs[name] += [h[0].tokens for h in hyps]
-    same = sum(a == b for a, b in zip(outputs["fp32"], outputs["bf16"])) / len(sources)
-
-    result.update({
-        "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
-                   "preset": args.preset, "layers": args.layers, "parameters": count_parameters(model),
-                   "max_tokens": args.max_tokens, "warmup_batches": len(warm), "timed_batches": len(timed),
-                   "rounds": args.rounds, "timed_tgt_tokens": tokens, "loss_updates": updates,
-                   "lr_warmup": args.lr_warmup, "valid_sentences": len(rows), "decode_sentences": len(sources),
-                   "beam": args.beam, "seed": args.seed},
-        "train": train,
-        "valid_nll_after_updates": {**loss, "bf16_relative_difference": loss["bf16"] / loss["fp32"] - 1},
-        "decode": {name: {"sentences_per_s": len(sources) / s, "seconds": s} for name, s in dec_seconds.items()},
-    })
-    result["decode"]["bf16"]["speed_over_fp32"] = dec_seconds["fp32"] / dec_seconds["bf16"]
-    result["decode"]["identical_output_share"] = same
-    write_json(args.out, result)
-    return result
-
+    return {"train_config": {"max_tokens": args.max_tokens, "warmup_batches": len(warm), "timed_batches": len(timed),
+                             "rounds": args.rounds, "timed_tgt_tokens": tokens, "loss_updates": len(batches),
+                             "lr_warmup": args.lr_warmup, "valid_sentences": len(rows)},
+            "train": train,
+            "valid_nll_after_updates": {**loss, "bf16_relative_difference": loss["bf16"] / loss["fp32"] - 1}}
 
 
 if __name__ == "__main__":
     r = main()
-    if "train" in r:
-        print(json.dumps({"train": r["train"], "valid_nll": r["valid_nll_after_updates"], "decode": r["decode"]},
-                         indent=1))
+    print(json.dumps({k: r[k] for k in ("train", "valid_nll_after_updates", "decode", "load_average_before",
+                                        "load_average_after") if k in r}, indent=1))

@@ -166,7 +166,7 @@ def _translator(args: argparse.Namespace):
                          ("max_len_a", args.max_len_a), ("max_len_b", args.max_len_b),
                          ("max_tokens", args.batch_tokens), ("min_len", args.min_len),
                          ("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p),
-                         ("seed", args.seed)):
+                         ("seed", args.seed), ("precision", args.precision)):
         if value is not None:
             setattr(d, field, value)
     if args.greedy:
@@ -571,6 +571,8 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------------------------------
 def _decode_options(p: argparse.ArgumentParser) -> None:
+    from nmtflow.config import DECODE_PRECISIONS
+
     p.add_argument("checkpoint", nargs="*" if p.prog.endswith("evaluate") else "+",
                    help="a checkpoint (.pt); several: an ensemble (their probabilities averaged)")
     p.add_argument("--beam", type=int, help="beam size (default: the config's, 5)")
@@ -593,6 +595,9 @@ def _decode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-len-b", type=int, help="output length limit a·|x| + b: b")
     p.add_argument("--min-len", type=int, help="no output ends before N tokens (the length limit wins; default 0)")
     p.add_argument("--batch-tokens", type=int, help="source tokens per decoding batch")
+    p.add_argument("--precision", choices=DECODE_PRECISIONS,
+                   help="fp32, or bf16: a bf16 copy of the weights, the output layer, log-softmax and scores in fp32 "
+                        "(faster on CPUs with AMX or AVX-512 BF16 and on GPUs; default: the config's, fp32)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--threads", type=int, help="CPU threads")
     p.add_argument("--src-lang", help="multilingual model: source language (any trained or zero-shot direction)")

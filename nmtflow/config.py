@@ -83,6 +83,7 @@ def yaml_dump(data: Any) -> str:
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # train.precision
 CUDA_ONLY_PRECISIONS = ("tf32", "fp16")
+DECODE_PRECISIONS = ("fp32", "bf16")  # decode.precision
 EARLY_STOP_METRICS = ("bleu", "loss")  # train.early_stop_metric
 OPTIMIZERS = ("adam", "adamw", "nesterov")  # train.optimizer (nmtflow/train/optim.py)
 LR_SCHEDULERS = ("inverse_sqrt", "constant", "reduce_on_rise")  # train.lr_scheduler
@@ -304,6 +305,7 @@ class DecodeConfig:
     top_k: int = 0  # sampling: only from the k most likely tokens (0: all)
     top_p: float = 1.0  # sampling: only from the nucleus of this probability mass (1.0: all)
     seed: int | None = None  # sampling: the same seed draws the same samples (null: a fresh random seed)
+    precision: str = "fp32"  # fp32 | bf16 (a bf16 copy of the weights; logits, log-softmax and scores in fp32)
 
     SAMPLING_ONLY: ClassVar[dict[str, Any]] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None}
 
@@ -325,6 +327,9 @@ class DecodeConfig:
                                "of sampling and greedy")
 
     def validate(self, where: str) -> None:
+        if self.precision not in DECODE_PRECISIONS:
+            raise ConfigError(f"{where}.precision: unknown precision {self.precision!r} "
+                              f"(known: {', '.join(DECODE_PRECISIONS)})")
         for name in ("beam_size", "nbest", "max_input_tokens", "max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")

@@ -50,6 +50,14 @@ def cpu_info() -> dict[str, Any]:
             "native_bf16": any(f in flags for f in NATIVE_BF16_FLAGS)}
 
 
+def warn_if_bf16_emulated(key: str, work: str, device: torch.device) -> None:
+    """Warn that ``key: bf16`` on a CPU without native bf16 (:func:`cpu_info`) is emulated: it ``work`` (trains,
+    decodes) many times slower than fp32. Other devices and CPUs with AMX or AVX-512 BF16: no warning."""
+    if device.type == "cpu" and not cpu_info()["native_bf16"]:
+        log.warning("%s: bf16 on a CPU without native bf16 (%s has neither AMX nor AVX-512 BF16): it emulates bf16 "
+                    "and %s many times slower than fp32; use fp32 here", key, cpu_info()["cpu_model"], work)
+
+
 def machine_info(device: str | torch.device | None = None, **extra: Any) -> dict[str, Any]:
     """What a benchmark or comparison ran on, for its JSON: system, CPU model and speed flags, CPU count, Python,
     torch, ``device`` (and its GPU's name where it is one), then ``extra`` (threads, GPU counts, ...)."""

@@ -89,10 +89,10 @@ def test_bf16_on_a_cpu_without_native_bf16_is_a_warning(copy_data, tmp_path, mon
     from tests.conftest import tiny_config
 
     def trainer(native: bool, name: str) -> None:
-        monkeypatch.setattr(trainer_module, "cpu_info", lambda: {"cpu_model": "Old CPU", "cpu_flags": ["avx2"],
+        monkeypatch.setattr(runtime, "cpu_info", lambda: {"cpu_model": "Old CPU", "cpu_flags": ["avx2"],
                                                                   "native_bf16": native})
         config = tiny_config(copy_data, tmp_path / name, max_updates=1, precision="bf16", device="cpu")
-        with caplog.at_level(logging.WARNING, logger="nmtflow.train"):
+        with caplog.at_level(logging.WARNING, logger="nmtflow"):
             trainer_module.Trainer(config)
 
     trainer(False, "emulated")

@@ -21,6 +21,7 @@ from nmtflow.checkpoint import CheckpointError, load_checkpoint, model_mismatch,
 from nmtflow.config import Config, DecodeConfig, config_from_dict
 from nmtflow.data.batching import collate
 from nmtflow.data.tokenizer import Tokenizer
+from nmtflow.decode.precision import model_in_precision
 from nmtflow.decode.search import (Hypothesis, beam_search, decoder_limit, greedy_search, sample_search,
                                    token_logprobs)
 from nmtflow.decode.unknowns import UnknownTally
@@ -259,14 +260,14 @@ class Translator:
         forced target prefix (ids) per sentence, [] for none."""
         d = self.decode
         check_search(d)
+        model = model_in_precision(self.model, d.precision)
         limits = dict(max_len_a=d.max_len_a, max_len_b=d.max_len_b, min_len=d.min_len, prefixes=prefixes)
         if d.sampling:
-            return sample_search(self.model, src, nbest=d.nbest, temperature=d.temperature, top_k=d.top_k,
+            return sample_search(model, src, nbest=d.nbest, temperature=d.temperature, top_k=d.top_k,
                                  top_p=d.top_p, generator=generator, **limits)
         if d.greedy or (d.beam_size == 1 and d.nbest == 1):
-            return [[h] for h in greedy_search(self.model, src, len_penalty=d.len_penalty, **limits)]
-        return beam_search(self.model, src, beam_size=d.beam_size, len_penalty=d.len_penalty, nbest=d.nbest,
-                           **limits)
+            return [[h] for h in greedy_search(model, src, len_penalty=d.len_penalty, **limits)]
+        return beam_search(model, src, beam_size=d.beam_size, len_penalty=d.len_penalty, nbest=d.nbest, **limits)
 
     @torch.no_grad()
     def translate_ids(self, sources: list[list[int]], *, prefixes: list[list[int]] | None = None,
@@ -408,11 +409,12 @@ class Translator:
                 raise ValueError(f"{locate(n, 'target')} has {len(seq)} tokens; the model scores at most "
                                  f"{tgt_positions - 1} (a target is never truncated)")
         out: list[tuple[float, list[float]]] = [(0.0, [])] * len(sources)
+        model = model_in_precision(self.model, self.decode.precision)
         lengths = [max(len(s), len(t)) for s, t in zip(src_ids, tgt_ids)]
         for batch in batches_by_length(lengths, self.decode.max_tokens):
             b = collate([src_ids[i] for i in batch], [tgt_ids[i] for i in batch], src_prefix=self.src_prefix)
             b = b.to(self.device)
-            token_lp = token_logprobs(self.model, b.src, b.tgt_in, b.tgt_out)  # (B,T), 0 at padding
+            token_lp = token_logprobs(model, b.src, b.tgt_in, b.tgt_out)  # (B,T), 0 at padding
             for i, total, lps in zip(batch, token_lp.sum(1).tolist(), token_lp.tolist()):
                 out[i] = (total, lps[:len(tgt_ids[i]) + 1])  # the pieces, then EOS
         return out

@@ -29,7 +29,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from nmtflow.config import ConfigError
 from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
-from nmtflow.nn.layers import masked_softmax, token_embedding
+from nmtflow.nn.layers import masked_softmax, output_logits, token_embedding
 from nmtflow.registry import register_model
 
 
@@ -163,7 +163,7 @@ class LuongDecoder(nn.Module):
             state[keys[0]], state[keys[1]] = hc[0].transpose(0, 1), hc[1].transpose(0, 1)  # (B,layers,d_h)
             if self.input_feeding:
                 state[keys[2]] = feed
-        return F.linear(F.dropout(h_tilde, self.dropout, self.training), self.output_weight)  # (B,T,V)
+        return output_logits(F.dropout(h_tilde, self.dropout, self.training), self.output_weight)  # (B,T,V)
 
 
 def output_projection(embedding: nn.Embedding, tie: bool) -> nn.Parameter:

@@ -17,7 +17,7 @@ from nmtflow.config import ConfigError
 from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
 from nmtflow.nn.attention import AttentionConfig, AttentionContext, build_attention, link_stack
-from nmtflow.nn.layers import FeedForward, SinusoidalPositions, token_embedding
+from nmtflow.nn.layers import FeedForward, SinusoidalPositions, output_logits, token_embedding
 from nmtflow.registry import register_model
 
 ACTIVATIONS = ("relu", "gelu")
@@ -232,7 +232,7 @@ class TransformerDecoder(nn.Module):
 
     def forward(self, tgt_in: Tensor, enc: EncoderOut, state: State | None = None) -> Tensor:
         x, _ = self.features(tgt_in, enc, state)
-        return F.linear(x, self.output_weight)  # (B,T,V)
+        return output_logits(x, self.output_weight)  # (B,T,V)
 
 
 @register_model("transformer", TransformerConfig)

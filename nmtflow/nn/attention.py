@@ -85,10 +85,13 @@ ROWS = ".rows"  # state entry: the row order a self-attention cache is still to 
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, causal: bool) -> Tensor:
-    """``F.scaled_dot_product_attention`` (mask True = may attend), except in bf16 on a CPU: there PyTorch's CPU
-    kernel runs its backward many times slower than in fp32 (``benchmarks/bf16_cpu.py``), so the attention itself
-    is computed in fp32 with autocast off, and the result cast back; the projections around it stay in bf16."""
-    if q.device.type == "cpu" and (q.dtype == torch.bfloat16 or torch.is_autocast_enabled("cpu")):
+    """``F.scaled_dot_product_attention`` (mask True = may attend), except in bf16 on a CPU while gradients are
+    recorded: there PyTorch's CPU kernel runs its backward many times slower than in fp32 (``benchmarks/bf16_cpu.py``),
+    so the attention itself is computed in fp32 with autocast off, and the result cast back; the projections around
+    it stay in bf16. Without gradients (decoding, validation) the bf16 kernel runs: casting the key/value caches
+    up at every decoding step would cost more than the attention."""
+    if q.device.type == "cpu" and torch.is_grad_enabled() and (q.dtype == torch.bfloat16
+                                                               or torch.is_autocast_enabled("cpu")):
         with torch.autocast("cpu", enabled=False):
             out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p,
                                                  is_causal=causal)

@@ -67,3 +67,12 @@ def token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
     with torch.no_grad():
         emb.weight[PAD].zero_()
     return emb
+
+
+def output_logits(x: Tensor, weight: Tensor) -> Tensor:
+    """The output layer's logits x·Wᵀ (…,V) for x (…,D) and W (V,D). A bf16 ``x`` meets a float32 ``W`` in the bf16
+    decoding copy (:func:`nmtflow.decode.precision.model_in_precision`): x is cast up, so that the logits keep
+    float32's resolution for the log-softmax and the beam scores. Under autocast ``F.linear`` casts as usual."""
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        x = x.to(weight.dtype)
+    return F.linear(x, weight)

@@ -36,7 +36,7 @@ from nmtflow.data.tokenizer import Tokenizer, same_model
 from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters, position_limits
-from nmtflow.runtime import autocast, cpu_info, keep_freed_memory, use_precision
+from nmtflow.runtime import autocast, keep_freed_memory, use_precision, warn_if_bf16_emulated
 from nmtflow.train import distributed, finetune
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
@@ -101,10 +101,8 @@ class Trainer:
         if tc.precision in CUDA_ONLY_PRECISIONS and self.device.type != "cuda":
             raise ConfigError(f"train.precision: {tc.precision} needs a CUDA device (this run is on {self.device}); "
                               "use fp32 or bf16 on CPU")
-        if tc.precision == "bf16" and self.device.type == "cpu" and not cpu_info()["native_bf16"]:
-            log.warning("train.precision: bf16 on a CPU without native bf16 (%s has neither AMX nor AVX-512 BF16): "
-                        "it emulates bf16 and trains many times slower than fp32; use fp32 here",
-                        cpu_info()["cpu_model"])
+        if tc.precision == "bf16":
+            warn_if_bf16_emulated("train.precision", "trains", self.device)
         use_precision(tc.precision)
         self.save_dir = Path(tc.save_dir)
         if self.save_dir.exists() and not self.save_dir.is_dir():

@@ -23,6 +23,21 @@ def test_sdpa_under_cpu_bf16_is_fp32_attention_of_the_bf16_inputs() -> None:
     assert torch.equal(sdpa(x, x, x, None, 0.0, True), F.scaled_dot_product_attention(x, x, x, is_causal=True))
 
 
+def test_sdpa_without_gradients_is_pytorchs_bf16_kernel() -> None:
+    """Decoding (a bf16 copy of the weights, :mod:`nmtflow.decode.precision`) and validation record no gradients:
+    the bf16 kernel then reads the caches as they are, without casting them up at every step."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(6, 4, 1, 8).bfloat16(), torch.randn(6, 4, 9, 8).bfloat16(), torch.randn(6, 4, 9, 8).bfloat16()
+    mask = torch.rand(6, 1, 1, 9) > 0.3
+    mask[..., 0] = True
+    with torch.inference_mode():
+        out = sdpa(q, k, v, mask, 0.0, False)
+        expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    reference = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    torch.testing.assert_close(out.float(), reference, atol=0.02, rtol=0.02)
+
+
 def test_attention_trains_under_cpu_bf16_autocast() -> None:
     torch.manual_seed(0)
     layer = MultiHeadAttention(16, 4)

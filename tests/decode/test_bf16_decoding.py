@@ -1,0 +1,109 @@
+"""``decode.precision: bf16``: a bf16 copy of the weights with the output layer in float32, for every kind of decoder
+state and an ensemble; the copy's cache; the setting through the config, ``nmtflow translate`` and ``nmtflow.load``."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import nmtflow
+from nmtflow import runtime
+from nmtflow.config import ConfigError, DecodeConfig, load_config
+from nmtflow.data.vocab import BOS, EOS
+from nmtflow.decode.ensemble import Ensemble
+from nmtflow.decode.precision import cast_copy, model_in_precision
+from nmtflow.decode.search import beam_search, sequence_logprobs
+
+from tests.conftest import padded_batch
+from tests.decode.test_cli_decoding import ckpt, run  # noqa: F401 (a fixture)
+from tests.decode.test_decode_review import translator
+from tests.decode.test_ensemble import V, member
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("name", ["transformer", "feature-fusion", "phrasal", "convs2s", "rnn", "ensemble"])
+def test_bf16_search_finds_what_fp32_scores_as_well(name: str) -> None:
+    """The bf16 copy's beam search runs for every architecture; each of its outputs scores, under the fp32 model,
+    what the copy says (within bf16's rounding) and as well as fp32's own best (within 2%)."""
+    model = Ensemble([member("transformer", 1), member("rnn", 2)]).eval() if name == "ensemble" else member(name, 3)
+    src, _ = padded_batch(V)
+    fp32 = beam_search(model, src, beam_size=3, max_len_b=6)
+    bf16 = beam_search(model_in_precision(model, "bf16"), src, beam_size=3, max_len_b=6)
+    for i, (mine, reference) in enumerate(zip(bf16, fp32)):
+        tokens = mine[0].tokens
+        rescored = float(sequence_logprobs(model, src[i:i + 1], torch.tensor([[BOS] + tokens]),
+                                           torch.tensor([tokens + [EOS]])))
+        assert mine[0].logprob == pytest.approx(rescored, rel=0.02, abs=0.05)
+        assert mine[0].score >= reference[0].score * 1.02 - 0.05  # scores are negative
+
+
+def test_the_copy_is_bf16_but_its_output_layer_and_the_model_stay_float32() -> None:
+    model = member("transformer", 3)
+    tied = model.decoder.output_weight is model.decoder.embedder.embedding.weight
+    cast = cast_copy(model, torch.bfloat16)
+    assert cast.decoder.output_weight.dtype == torch.float32
+    assert cast.decoder.output_weight.data_ptr() == model.decoder.output_weight.data_ptr()  # shared, not copied
+    assert cast.encoder.layers[0].ffn.fc1.weight.dtype == torch.bfloat16
+    assert cast.decoder.embedder.embedding.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert tied == (model.decoder.output_weight is model.decoder.embedder.embedding.weight)
+    src, tgt = padded_batch(V)
+    with torch.no_grad():
+        logits, reference = cast(src, tgt), model(src, tgt)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.log_softmax(-1), reference.log_softmax(-1), atol=0.1, rtol=0.05)
+
+
+def test_the_copy_is_made_once_and_again_after_the_weights_change() -> None:
+    model = member("transformer", 3)
+    first = model_in_precision(model, "bf16")
+    assert model_in_precision(model, "bf16") is first and model_in_precision(model, "fp32") is model
+    with torch.no_grad():
+        model.encoder.layers[0].ffn.fc1.weight.add_(1.0)
+    second = model_in_precision(model, "bf16")
+    assert second is not first
+    torch.testing.assert_close(second.encoder.layers[0].ffn.fc1.weight.float(),
+                               model.encoder.layers[0].ffn.fc1.weight, atol=0.05, rtol=0.01)
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns(monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    for native in (False, True):
+        monkeypatch.setattr(runtime, "cpu_info", lambda: {"cpu_model": "Old CPU", "cpu_flags": [],
+                                                          "native_bf16": native})
+        with caplog.at_level(logging.WARNING, logger="nmtflow"):
+            model_in_precision(member("transformer", 3), "bf16")
+        assert ("decode.precision: bf16 on a CPU without native bf16 (Old CPU has neither AMX nor AVX-512 BF16)"
+                in caplog.text) == (not native)
+        caplog.clear()
+
+
+def test_the_translator_searches_and_scores_in_its_precision() -> None:
+    fp32, bf16 = translator(DecodeConfig(beam_size=3)), translator(DecodeConfig(beam_size=3, precision="bf16"))
+    bf16.model = fp32.model
+    sources = [[5, 6, 7, 8], [9, 10]]
+    assert len(bf16.translate_ids(sources)) == 2
+    assert model_in_precision(fp32.model, "bf16") is not fp32.model  # made by the search above, kept
+    assert all(p.dtype == torch.float32 for p in fp32.model.parameters())
+
+
+def test_precision_is_checked_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"decode.precision: unknown precision 'fp16' \(known: fp32, bf16\)"):
+        load_config(data={"model": {"name": "transformer"}, "decode": {"precision": "fp16"}})
+
+
+def test_translate_and_load_take_the_precision(ckpt: str, capsys: pytest.CaptureFixture[str],  # noqa: F811
+                                               tmp_path) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("a b c\nd e\n", encoding="utf-8")
+    code, out, _ = run(["translate", ckpt, "-i", str(source), "--precision", "bf16"], capsys)
+    assert code == 0 and len(out.splitlines()) == 2
+    with pytest.raises(SystemExit):
+        run(["translate", ckpt, "-i", str(source), "--precision", "fp16"], capsys)
+    assert "invalid choice: 'fp16'" in capsys.readouterr().err
+    model = nmtflow.load(ckpt, device="cpu", precision="bf16")
+    assert model.decode.precision == "bf16"
+    assert model.translate(["a b c", "d e"]) == out.splitlines()
+    assert model.translate("a b c", precision="fp32") == nmtflow.load(ckpt, device="cpu").translate("a b c")
