@@ -513,7 +513,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: expected 0-65535")
-    models = load_models(args.checkpoints, args.name, device=args.device, ensemble=args.ensemble)
+    models = load_models(args.checkpoints, args.name, device=args.device, ensemble=args.ensemble,
+                         precision=args.precision)
     app = create_app(models, max_sentences=args.max_sentences, max_chars=args.max_chars,
                      max_batch_tokens=args.max_batch_tokens)
     serve(app, args.host, args.port)
@@ -716,6 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", help="TSV: source, correct translation, incorrect translations…")
     p.add_argument("--json", action="store_true")
 
+    from nmtflow.config import DECODE_PRECISIONS
+
     p = sub.add_parser("serve", help="an HTTP server: translate, score and explore the information flow of "
                                      "checkpoints in the browser (needs the serve extra)")
     p.add_argument("checkpoints", nargs="+", metavar="CKPT", help="checkpoints (.pt) served side by side")
@@ -730,6 +733,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-chars", type=int, default=1000, help="characters per sentence (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, default=4000,
                    help="source tokens per decoding batch (default: %(default)s)")
+    p.add_argument("--precision", choices=DECODE_PRECISIONS,
+                   help="of translating and scoring: fp32, or bf16 (see translate --precision; the flow's maps "
+                        "stay fp32; default: each checkpoint's decode.precision)")
 
     p = sub.add_parser("embed", help="sentence embeddings (a bridge's M, pooled; other encoders: mean states) → .npy")
     _embedding_options(p)

@@ -451,21 +451,23 @@ def finite(value: float) -> float | None:
 
 
 def load_models(paths: Sequence[str], names: Sequence[str] | None = None, *, device: str = "auto",
-                ensemble: bool = False) -> dict[str, Model]:
+                ensemble: bool = False, precision: str | None = None) -> dict[str, Model]:
     """``nmtflow serve``'s models: each checkpoint by name (``names``, default :func:`model_names`), or with
-    ``ensemble`` all of them as one model named ``ensemble``."""
+    ``ensemble`` all of them as one model named ``ensemble``; ``precision`` of translating and scoring (default:
+    each checkpoint's ``decode.precision``)."""
+    decode = {} if precision is None else {"precision": precision}
     if not paths:
         raise ValueError("serve: name at least one checkpoint")
     if ensemble:
         if names:
             raise ValueError("--name: with --ensemble the checkpoints are served as one model named 'ensemble'")
-        return {"ensemble": Model(list(paths), device)}
+        return {"ensemble": Model(list(paths), device, **decode)}
     names = list(names) if names else model_names(paths)
     if len(names) != len(paths):
         raise ValueError(f"--name: {len(names)} names for {len(paths)} checkpoints (one each)")
     if len(set(names)) != len(names):
         raise ValueError(f"--name: names must differ, got {', '.join(names)}")
-    return {name: Model(path, device) for name, path in zip(names, paths)}
+    return {name: Model(path, device, **decode) for name, path in zip(names, paths)}
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8080) -> None:

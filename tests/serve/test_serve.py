@@ -322,3 +322,12 @@ def test_flow_of_models_without_attention_modules(copy_data: Path, tmp_path: Pat
     assert flow_kinds(translator.model) == [] and out["architecture"] == model["name"]
     assert (out["attention"], out["gates"], out["bridge"]) == ([], [], None)
     assert out["target_tokens"][-1] == "</s>" and len(out["target_tokens"]) == len(out["target_input_tokens"])
+
+
+def test_serve_precision_reaches_the_models(checkpoints: dict[str, str]) -> None:
+    from nmtflow.serve.app import load_models
+
+    paths = [checkpoints["transformer"], checkpoints["rnn"]]
+    assert {m.decode.precision for m in load_models(paths, device="cpu").values()} == {"fp32"}
+    assert {m.decode.precision for m in load_models(paths, device="cpu", precision="bf16").values()} == {"bf16"}
+    assert load_models(paths, device="cpu", ensemble=True, precision="bf16")["ensemble"].decode.precision == "bf16"
