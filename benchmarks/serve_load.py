@@ -125,19 +125,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seconds", type=float, default=60.0, help="time limit per client count (default: %(default)s)")
     p.add_argument("--sentences", type=int, default=2, help="sentences per request (default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="the server's torch threads (OMP_NUM_THREADS)")
+    p.add_argument("--source", help="a text file whose first lines are the requests' sentences (default: "
+                                    "sentences of the built-in corpus)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], help="the server's --precision (default: the model's)")
     args = p.parse_args(argv)
     ckpt = Path(args.checkpoint) if args.checkpoint else tiny_checkpoint(Path(args.work))
     from nmtflow.data.synthetic import generate_corpus
 
-    corpus = Path(args.work) / "sentences"
-    generate_corpus(corpus, langs=("en", "de"), n_train=10, n_valid=2, n_test=args.requests * args.sentences, seed=7)
-    lines = (corpus / "test.en").read_text(encoding="utf-8").splitlines()
+    if args.source:
+        lines = Path(args.source).read_text(encoding="utf-8").splitlines()[:args.requests * args.sentences]
+    else:
+        corpus = Path(args.work) / "sentences"
+        generate_corpus(corpus, langs=("en", "de"), n_train=10, n_valid=2, n_test=args.requests * args.sentences,
+                        seed=7)
+        lines = (corpus / "test.en").read_text(encoding="utf-8").splitlines()
     sentences = [lines[i:i + args.sentences] for i in range(0, len(lines) - args.sentences + 1, args.sentences)]
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen([sys.executable, "-m", "nmtflow", "serve", str(ckpt), "--host", "127.0.0.1",
-                               "--port", str(port), "--device", "cpu"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    command = [sys.executable, "-m", "nmtflow", "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
+               "--device", "cpu", *(["--precision", args.precision] if args.precision else [])]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -156,7 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         server.terminate()
         server.wait(30)
-    result = {"benchmark": "serve_load", "checkpoint": ckpt.name, "sentences_per_request": args.sentences,
+    result = {"benchmark": "serve_load", "checkpoint": ckpt.name, "precision": args.precision or "checkpoint's",
+              "source": Path(args.source).name if args.source else "built-in corpus",
+              "sentences_per_request": args.sentences,
               "beam_size": 5, "server_threads": args.threads, "server_peak_rss_mb": rss, "levels": levels,
               "machine": machine_info("cpu", threads=args.threads, torch_threads_client=torch.get_num_threads())}
     write_json(Path(args.out), result)
