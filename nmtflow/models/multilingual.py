@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from nmtflow.config import ConfigError
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies, build_model
-from nmtflow.models.rnn import BiLSTMEncoder, LuongDecoder, RNNConfig, output_projection
+from nmtflow.models.rnn import DECODER_INITS, BiLSTMEncoder, LuongDecoder, RNNConfig, output_projection
 from nmtflow.models.transformer import (Embedder, TransformerConfig, TransformerDecoder, TransformerEncoder,
                                         check_transformer_sizes)
 from nmtflow.nn.attention import AttentionConfig
@@ -148,6 +148,11 @@ class BridgeConfig(ModelConfig):
     # how λ·penalty is weighed against the cross-entropy (see PENALTY_SCALES); the default is the paper's code's
     penalty_scale: str = "paper"
     penalty_batch: int = 64  # paper: the sentences over which the paper's code averages the penalty (its batch)
+    # rnn decoder's initial state: projected = tanh(W_init mean(M)), c_0 = 0; mean = h_0 = c_0 = mean(M), as the
+    # paper's code (the presets set it)
+    decoder_init: str = "projected"
+    # rnn encoder: dropout on H, the bridge's input (the paper's code has none; the presets switch it off)
+    encoder_output_dropout: bool = True
     # the self-attention of Transformer stacks, e.g. lexical shortcuts or phrasal attention under the bridge
     # (SPEC §6); a Transformer decoder's cross-attention reads the k rows of M, so it stays standard
     encoder_self_attention: AttentionConfig = field(default_factory=AttentionConfig)
@@ -177,6 +182,14 @@ class BridgeConfig(ModelConfig):
                                     layers={"encoder_layers": self.encoder_layers,
                                             "decoder_layers": self.decoder_layers},
                                     max_positions=self.max_positions)
+        if self.decoder_init not in DECODER_INITS:
+            raise ConfigError(f"{where}.decoder_init: expected one of {', '.join(DECODER_INITS)}, "
+                              f"got {self.decoder_init!r}")
+        if self.decoder_init != "projected" and self.decoder != "rnn":
+            raise ConfigError(f"{where}.decoder_init: {self.decoder_init!r} sets an LSTM decoder's initial state; "
+                              "a Transformer decoder has none (decoder: rnn)")
+        if not self.encoder_output_dropout and self.encoder != "rnn":
+            raise ConfigError(f"{where}.encoder_output_dropout: only an LSTM encoder (encoder: rnn) can leave it out")
         if self.bridge_heads < 1 or self.bridge_dim < 1:
             raise ConfigError(f"{where}: bridge_heads and bridge_dim must be >= 1")
         if not 0 <= self.penalty < float("inf"):  # NaN fails too
@@ -203,7 +216,7 @@ class AttentionBridgeModel(MultilingualModel):
 
     ``encode`` returns ``out`` = H (B,S,d_h), ``padding_mask`` (B,S), ``bridge`` = M (B,k,d_h) and
     ``bridge_attention`` = A (B,k,S). Decoders attend over all k rows of M (no mask); an RNN decoder starts
-    from the mean of M. ``auxiliary_loss`` = the penalty of Eq. 10 weighed as ``penalty_scale`` says, which the trainer
+    from the mean of M (``decoder_init``). ``auxiliary_loss`` = the penalty of Eq. 10 weighed as ``penalty_scale`` says, which the trainer
     adds to the summed token cross-entropy before dividing by the update's target tokens.
     """
 
@@ -233,7 +246,8 @@ class AttentionBridgeModel(MultilingualModel):
     def _encoder(self, emb: nn.Embedding) -> nn.Module:
         cfg = self.config
         if cfg.encoder == "rnn":
-            return BiLSTMEncoder(emb, cfg.hidden_dim, cfg.encoder_layers, cfg.dropout)
+            return BiLSTMEncoder(emb, cfg.hidden_dim, cfg.encoder_layers, cfg.dropout,
+                                 output_dropout=cfg.encoder_output_dropout)
         return TransformerEncoder(cfg.transformer_config(), Embedder(emb, self.positions, cfg.dropout))
 
     def _decoder(self, emb: nn.Embedding) -> nn.Module:
@@ -241,7 +255,7 @@ class AttentionBridgeModel(MultilingualModel):
         out = output_projection(emb, cfg.tie_embeddings)
         if cfg.decoder == "rnn":
             return LuongDecoder(emb, cfg.hidden_dim, cfg.hidden_dim, cfg.decoder_layers, cfg.dropout, out,
-                                input_feeding=cfg.input_feeding)
+                                input_feeding=cfg.input_feeding, init=cfg.decoder_init)
         return TransformerDecoder(cfg.transformer_config(), Embedder(emb, self.positions, cfg.dropout), out)
 
     # ---- languages ---------------------------------------------------------------------------------

@@ -10,8 +10,9 @@
       h̃_t = tanh(W_c [c_t; h_t])                   p(y_t | y_<t, x) = softmax(W_s h̃_t)
 
   The initial state (a choice the papers leave open) is ``h_0 = tanh(W_init · mean(memory))`` in every layer
-  and ``c_0 = 0``; the mean runs over the memory's non-padding rows (Vázquez et al. 2020: "an initial state
-  computed by mean pooling over M").
+  and ``c_0 = 0`` (``init="projected"``), or ``h_0 = c_0 = mean(memory)`` in every layer (``init="mean"``, the
+  attention-bridge paper's code: Vázquez et al. 2020, "an initial state computed by mean pooling over M"); the
+  mean runs over the memory's non-padding rows.
 
 Incremental state (batch-first, keyed by the decoder's ``name`` prefix): ``NAME.h`` and ``NAME.c``
 (B, layers, d_h) and, with input feeding, ``NAME.feed`` (B, d_h) = h̃ of the last step.
@@ -31,6 +32,9 @@ from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
 from nmtflow.nn.layers import masked_softmax, output_logits, token_embedding
 from nmtflow.registry import register_model
+
+
+DECODER_INITS = ("projected", "mean")  # LuongDecoder's initial state (the module docstring)
 
 
 @dataclass
@@ -85,12 +89,18 @@ def run_lstm(lstm: nn.LSTM, x: Tensor | PackedSequence,
 
 
 class BiLSTMEncoder(nn.Module):
-    """Embeddings → ``layers`` stacked BiLSTMs → ``{"out": H (B,S,d_h), "padding_mask": (B,S)}``."""
+    """Embeddings → ``layers`` stacked BiLSTMs → ``{"out": H (B,S,d_h), "padding_mask": (B,S)}``.
 
-    def __init__(self, embedding: nn.Embedding, hidden_dim: int, layers: int, dropout: float) -> None:
+    Dropout applies to the embeddings, between the layers and, with ``output_dropout`` (the default), to ``H``;
+    OpenNMT-py's encoder (the attention-bridge paper's code) has none on ``H``.
+    """
+
+    def __init__(self, embedding: nn.Embedding, hidden_dim: int, layers: int, dropout: float, *,
+                 output_dropout: bool = True) -> None:
         super().__init__()
         self.embedding = embedding
         self.dropout = dropout
+        self.output_dropout = output_dropout
         self.lstm = nn.LSTM(embedding.embedding_dim, hidden_dim // 2, num_layers=layers, batch_first=True,
                             bidirectional=True, dropout=dropout if layers > 1 else 0.0)
 
@@ -101,15 +111,22 @@ class BiLSTMEncoder(nn.Module):
         packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
         out, _ = run_lstm(self.lstm, packed)
         h, _ = pad_packed_sequence(out, batch_first=True, total_length=src.size(1))  # (B,S,d_h), 0 at pads
-        return {"out": F.dropout(h, self.dropout, self.training), "padding_mask": padding_mask}
+        if self.output_dropout:
+            h = F.dropout(h, self.dropout, self.training)
+        return {"out": h, "padding_mask": padding_mask}
 
 
 class LuongDecoder(nn.Module):
     """Stacked LSTM + Luong global attention over a memory (B,K,d_m); see the module docstring."""
 
     def __init__(self, embedding: nn.Embedding, hidden_dim: int, memory_dim: int, layers: int, dropout: float,
-                 output_weight: nn.Parameter, *, input_feeding: bool = True, name: str = "decoder") -> None:
+                 output_weight: nn.Parameter, *, input_feeding: bool = True, name: str = "decoder",
+                 init: str = "projected") -> None:
         super().__init__()
+        if init not in DECODER_INITS:
+            raise ValueError(f"unknown decoder init {init!r} (known: {', '.join(DECODER_INITS)})")
+        if init == "mean" and memory_dim != hidden_dim:
+            raise ValueError(f"init='mean' needs memory_dim == hidden_dim, got {memory_dim} and {hidden_dim}")
         self.embedding = embedding
         self.hidden_dim, self.layers, self.dropout = hidden_dim, layers, dropout
         self.input_feeding = input_feeding
@@ -117,15 +134,20 @@ class LuongDecoder(nn.Module):
         feed = hidden_dim if input_feeding else 0
         self.lstm = nn.LSTM(embedding.embedding_dim + feed, hidden_dim, num_layers=layers, batch_first=True,
                             dropout=dropout if layers > 1 else 0.0)
-        self.init = nn.Linear(memory_dim, layers * hidden_dim)  # W_init: mean(memory) → h_0 of every layer
+        # W_init: mean(memory) → h_0 of every layer ("projected"); "mean" has no parameters
+        self.init = nn.Linear(memory_dim, layers * hidden_dim) if init == "projected" else None
         self.attn_in = nn.Linear(hidden_dim, memory_dim, bias=False)  # W_a ("general" score)
         self.attn_out = nn.Linear(memory_dim + hidden_dim, hidden_dim, bias=False)  # W_c
         self.output_weight = output_weight  # W_s (V,d_h), usually tied to the target embedding
 
     def initial_state(self, memory: Tensor, memory_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        """h_0 = tanh(W_init mean(memory)), c_0 = 0 → two (layers,B,d_h) tensors (nn.LSTM layout)."""
-        b = memory.size(0)
-        h = torch.tanh(self.init(masked_mean(memory, memory_mask))).view(b, self.layers, self.hidden_dim)
+        """h_0 = tanh(W_init mean(memory)), c_0 = 0 (``projected``), or h_0 = c_0 = mean(memory) (``mean``) → two
+        (layers,B,d_h) tensors (nn.LSTM layout)."""
+        mean = masked_mean(memory, memory_mask)  # (B,d_m)
+        if self.init is None:
+            h = mean[None].expand(self.layers, -1, -1).contiguous()
+            return h, h.clone()
+        h = torch.tanh(self.init(mean)).view(mean.size(0), self.layers, self.hidden_dim)
         h = h.transpose(0, 1).contiguous()
         return h, torch.zeros_like(h)
 

@@ -44,6 +44,8 @@ def batch(tgt_vocab: int = V - 5) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- models ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("model", [
     {**TINY_BRIDGE, "input_feeding": True, "encoder_layers": 2, "decoder_layers": 2},
+    {**TINY_BRIDGE, "input_feeding": True, "decoder_layers": 2, "decoder_init": "mean",
+     "encoder_output_dropout": False},
     TINY_BRIDGE,
     {**TINY_BRIDGE, "encoder": "transformer", "decoder": "transformer", "heads": 4, "ffn_dim": 64},
     {**TINY_BRIDGE, "decoder": "transformer", "heads": 4, "ffn_dim": 64},
@@ -54,7 +56,7 @@ def batch(tgt_vocab: int = V - 5) -> tuple[torch.Tensor, torch.Tensor]:
      "encoder_self_attention": {"type": "phrasal", "ngrams": [1, 2]},
      "decoder_self_attention": {"type": "phrasal", "ngrams": [1, 2, 3]}},
     {"name": "language_label", "backbone": {"name": "rnn", **TINY, "decoder_layers": 2}},
-], ids=["bridge-rnn-feed", "bridge-rnn", "bridge-transformer", "bridge-rnn-transformer", "bridge-shortcuts",
+], ids=["bridge-rnn-feed", "bridge-rnn-feed-paper-code", "bridge-rnn", "bridge-transformer", "bridge-rnn-transformer", "bridge-shortcuts",
         "bridge-phrasal", "language-label-rnn"])
 def test_incremental_decoding_equals_full_forward(model: dict[str, Any]) -> None:
     net = make(model).pair("de", "de")
@@ -113,6 +115,47 @@ def test_bridge_output_penalty_and_direction_checks() -> None:
     # plain vocabularies give a bilingual bridge that keeps the plain contract
     bilingual = make(TINY_BRIDGE, Vocabularies(V, V))
     assert bilingual(src, tgt).shape == (3, 7, V)
+
+
+def test_bridge_decoder_starts_from_the_mean_of_m_as_the_papers_code() -> None:
+    """decoder_init: mean: h_0 = c_0 = mean over the k rows of M in every layer, no W_init (the paper's code);
+    projected: tanh(W_init mean(M)), c_0 = 0."""
+    src, tgt = batch()
+    model = make({**TINY_BRIDGE, "decoder_layers": 2, "decoder_init": "mean"})
+    enc = model.encode(src, lang="de")
+    h, c = model.decoders["en"].initial_state(enc["bridge"], None)
+    mean = enc["bridge"].mean(1)  # (B,d_h), computed here from M directly
+    for layer in range(2):
+        torch.testing.assert_close(h[layer], mean)
+        torch.testing.assert_close(c[layer], mean)
+    assert not any(".init." in name for name, _ in model.named_parameters())
+    projected = make({**TINY_BRIDGE, "decoder_layers": 2})
+    h, c = projected.decoders["en"].initial_state(enc["bridge"], None)
+    assert c.abs().max() == 0 and h.abs().max() < 1
+    assert any(".init." in name for name, _ in projected.named_parameters())
+    # the state reaches the output: the first step's logits follow mean(M)
+    shifted = {**enc, "bridge": enc["bridge"] + 0.5}
+    step = (model.decode(tgt[:, :1], enc, lang="en"), model.decode(tgt[:, :1], shifted, lang="en"))
+    assert not torch.allclose(*step)
+    for bad, message in [({"decoder_init": "final"}, "model.decoder_init: expected one of projected, mean"),
+                         ({"decoder_init": "mean", "decoder": "transformer", "heads": 4, "ffn_dim": 64},
+                          "model.decoder_init: 'mean' sets an LSTM decoder's initial state"),
+                         ({"encoder_output_dropout": False, "encoder": "transformer", "heads": 4, "ffn_dim": 64},
+                          r"model.encoder_output_dropout: only an LSTM encoder \(encoder: rnn\)")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(data={"model": {**TINY_BRIDGE, **bad}})
+
+
+@pytest.mark.parametrize("output_dropout", [True, False])
+def test_bridge_input_dropout_follows_encoder_output_dropout(output_dropout: bool) -> None:
+    """In training, dropout zeroes about a `dropout` share of H's entries, which the bridge reads, unless
+    encoder_output_dropout is false (the paper's code); an LSTM's own outputs are never exactly 0."""
+    model = make({**TINY_BRIDGE, "dropout": 0.5, "encoder_output_dropout": output_dropout}).train()
+    src, _ = batch()
+    torch.manual_seed(3)
+    enc = model.encode(src, lang="de")
+    zeros = (enc["out"][~enc["padding_mask"]] == 0).float().mean().item()
+    assert (0.35 < zeros < 0.65) if output_dropout else zeros == 0
 
 
 def test_rnn_baseline_ignores_source_padding() -> None:
