@@ -12,27 +12,36 @@ sentences with the same beam search, alternating batch by batch, so that load fr
 all systems alike. Memory: per system the parameters, gradients and Adam state, and the activations a
 training step keeps for backward (the bytes of the distinct storages autograd saves, measured on the
 largest timed batch); on CUDA also the peak allocated memory of its training; process peak RSS per phase.
+
+``--compare-with REV`` adds, per n-gram set, a system with the same weights whose phrasal modules run
+``nmtflow/nn/phrasal.py`` as it was at git revision REV (loaded from ``git show``, the rest of nmtflow as checked
+out): old and new code side by side in one process, and whether their decoded outputs are identical.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import nmtflow.registry
 from nmtflow.config import load_config
 from nmtflow.data.batching import Batch, collate
 from nmtflow.data.bitext import open_bitext
-from nmtflow.decode.search import max_output_lengths
+from nmtflow.decode.search import beam_search, max_output_lengths
 from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
+from nmtflow.nn.phrasal import PhrasalAttention
 from nmtflow.runtime import machine_info
 from nmtflow.train.loss import label_smoothed_nll
 from throughput import (  # the sibling benchmark's step, search and RSS
-    Optimiser, add_common_args, decode_batch, default_work, peak_rss_mb, prepared_data, steady_heap,
+    Optimiser, add_common_args, default_work, peak_rss_mb, prepared_data, steady_heap,
     training_batches)
 
 
@@ -42,6 +51,29 @@ def slots(ngrams: list[int] | None) -> dict[str, Any]:
         return {}
     slot = {"type": "phrasal", "ngrams": ngrams}
     return {"encoder_self_attention": slot, "decoder_self_attention": slot, "cross_attention": slot}
+
+
+def decode_batch(model: EncoderDecoder, src: torch.Tensor,
+                 args: argparse.Namespace) -> tuple[float, list[int], list[list[int]]]:
+    """``throughput.py``'s beam search over one batch → (seconds, output lengths, the best outputs)."""
+    start = time.perf_counter()
+    hyps = beam_search(model, src, beam_size=args.beam, len_penalty=0.6, max_len_a=1.5, max_len_b=10)
+    return time.perf_counter() - start, [len(h[0].tokens) for h in hyps], [h[0].tokens for h in hyps]
+
+
+def phrasal_class_at(rev: str) -> type:
+    """``PhrasalAttention`` as ``nmtflow/nn/phrasal.py`` defined it at git revision ``rev`` (not registered)."""
+    source = subprocess.run(["git", "show", f"{rev}:nmtflow/nn/phrasal.py"], capture_output=True, text=True,
+                            check=True, cwd=Path(__file__).resolve().parent).stdout
+    module = types.ModuleType(f"phrasal_at_{rev}")
+    sys.modules[module.__name__] = module  # for its dataclasses
+    register = nmtflow.registry.register_attention
+    nmtflow.registry.register_attention = lambda *a, **k: (lambda cls: cls)  # type: ignore[assignment]
+    try:
+        exec(compile(source, f"{rev}:nmtflow/nn/phrasal.py", "exec"), module.__dict__)
+    finally:
+        nmtflow.registry.register_attention = register
+    return module.PhrasalAttention
 
 
 def activation_mb(model: EncoderDecoder, b: Batch) -> float:
@@ -74,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--decode-sentences", type=int, default=200)
     p.add_argument("--decode-max-tokens", type=int, default=6000)
     p.add_argument("--beam", type=int, default=5)
+    p.add_argument("--decode-rounds", type=int, default=1, help="decode the sentences this many times (alternating)")
+    p.add_argument("--compare-with", metavar="REV", help="also run phrasal.py of this git revision (see above)")
     add_common_args(p, warmup=3, steps=30, rounds=3)
     args = p.parse_args(argv)
     if args.steps < 1 or args.decode_sentences < 1:
@@ -97,6 +131,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 2. models: one config, only the attention slots differ
     sets = {"baseline": None, **{f"phrasal_{s}": [int(c) for c in s] for s in args.ngrams}}
+    rev = args.compare_with and subprocess.run(["git", "rev-parse", "--short", args.compare_with], check=True,
+                                               capture_output=True, text=True).stdout.strip()
+    old = phrasal_class_at(rev) if rev else None
+    if old is not None:
+        sets.update({f"phrasal_{s}@{rev}": [int(c) for c in s] for s in args.ngrams})
     systems: dict[str, Optimiser] = {}
     for name, ngrams in sets.items():
         cfg = load_config(data={
@@ -104,7 +143,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       "decoder_layers": args.layers, **slots(ngrams)},
             "train": {"seed": args.seed, "precision": args.precision, "label_smoothing": 0.1, "clip_norm": 1.0}})
         torch.manual_seed(args.seed)
-        systems[name] = Optimiser(build_model(cfg.model, Vocabularies(vocab, vocab)).to(device), cfg.train)
+        model = build_model(cfg.model, Vocabularies(vocab, vocab)).to(device)
+        if "@" in name:  # the same weights (same seed) under the old code
+            for m in model.modules():
+                if isinstance(m, PhrasalAttention):
+                    m.__class__ = old
+        systems[name] = Optimiser(model, cfg.train)
     rss["after_build"] = peak_rss_mb()
     largest = max(timed, key=lambda b: b.src.numel() + b.tgt_in.numel())
     memory = {name: activation_mb(opt.model, largest) for name, opt in systems.items()}
@@ -138,14 +182,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     caps = torch.cat([max_output_lengths(s, 1.5, 10, 1022) for s in src_batches]).tolist()
     dec_seconds = dict.fromkeys(systems, 0.0)
     lengths: dict[str, list[int]] = {name: [] for name in systems}
+    outputs: dict[str, list[list[int]]] = {name: [] for name in systems}
     for opt in systems.values():
         opt.model.eval()
         decode_batch(opt.model, src_batches[0][:2], args)  # untimed warm-up
-    for src in src_batches:
-        for name, opt in systems.items():
-            t, out = decode_batch(opt.model, src, args)
-            dec_seconds[name] += t
-            lengths[name] += out
+    for round_ in range(max(1, args.decode_rounds)):
+        for src in src_batches:
+            for name, opt in systems.items():
+                t, out, tokens = decode_batch(opt.model, src, args)
+                dec_seconds[name] += t
+                if round_ == 0:
+                    lengths[name] += out
+                    outputs[name] += tokens
     rss["after_decode"] = peak_rss_mb()
 
     # 5. report
@@ -157,7 +205,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "precision": args.precision,
                    "warmup_batches": args.warmup, "timed_batches": len(timed), "rounds": rounds,
                    "timed_tgt_tokens": timed_tokens, "decode_sentences": len(sources), "beam": args.beam,
-                   "seed": args.seed},
+                   "decode_rounds": max(1, args.decode_rounds),
+                   "seed": args.seed, "compare_with": rev or None},
         "peak_rss_mb_by_phase": {k: round(v, 1) for k, v in rss.items()},
     }
     for name, opt in systems.items():
@@ -167,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "parameters": n_params,
             "train_tgt_tokens_per_s": timed_tokens / seconds[name],
             "train_seconds": seconds[name],
-            "decode_sentences_per_s": len(lengths[name]) / dec_seconds[name],
+            "decode_sentences_per_s": len(lengths[name]) * max(1, args.decode_rounds) / dec_seconds[name],
             "decode_seconds": dec_seconds[name],
             "decode_mean_output_len": sum(lengths[name]) / len(lengths[name]),
             "decode_frac_at_length_cap": sum(n >= c for n, c in zip(lengths[name], caps)) / len(caps),
@@ -176,6 +225,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             **({"cuda_peak_train_mb": cuda_peak[name]} if name in cuda_peak else {}),
         }
     b = result[base]
+    if old is not None:
+        result["decode_outputs_identical_to_new_code"] = {
+            name: sum(a == b for a, b in zip(outputs[name], outputs[name.split("@")[0]])) / len(sources)
+            for name in systems if "@" in name}
     result["relative_to_baseline"] = {
         name: {"parameters": result[name]["parameters"] - b["parameters"],
                "train_tokens_per_s": result[name]["train_tgt_tokens_per_s"] / b["train_tgt_tokens_per_s"],

@@ -99,30 +99,35 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)
 
 
-def extend_cache(cache: Tensor, new: Tensor, rows: Tensor | None = None) -> Tensor:
-    """``cat([cache[rows], new], dim=2)`` for caches (B,H,S,Dh), copying the cache once (not gather + cat).
+def extend_cache(cache: Tensor, new: Tensor, rows: Tensor | None = None, dim: int = 2) -> Tensor:
+    """``cat([cache[rows], new], dim)`` for caches (B,H,S,Dh) (positions along ``dim``; phrasal attention keeps
+    its keys (B,H,Dh,S), ``dim`` 3), copying the cache once (not gather + cat).
 
     The single copy (``index_select`` into a slice of the output) is taken on the CPU, where this is
     measured; other devices gather and concatenate.
     """
     if cache.device.type != "cpu":
-        return torch.cat([cache if rows is None else cache.index_select(0, rows), new], dim=2)
-    s = cache.size(2)
-    out = new.new_empty(new.size(0), new.size(1), s + new.size(2), new.size(3))
+        return torch.cat([cache if rows is None else cache.index_select(0, rows), new], dim=dim)
+    s = cache.size(dim)
+    shape = list(new.shape)
+    shape[dim] += s
+    out = new.new_empty(shape)
     if rows is None:
-        out[:, :, :s].copy_(cache)
+        out.narrow(dim, 0, s).copy_(cache)
     else:
-        torch.index_select(cache, 0, rows, out=out[:, :, :s])
-    out[:, :, s:].copy_(new)
+        torch.index_select(cache, 0, rows, out=out.narrow(dim, 0, s))
+    out.narrow(dim, s, new.size(dim)).copy_(new)
     return out
 
 
-def append_to_cache(state: dict[str, Tensor], name: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def append_to_cache(state: dict[str, Tensor], name: str, k: Tensor, v: Tensor,
+                    key_dim: int = 2) -> tuple[Tensor, Tensor]:
     """Append new keys/values (B,H,T,·) to the self-attention cache ``name.k``/``name.v`` in ``state`` (in the beam
-    order left pending by :func:`defer_cache_reorder`, if any: :func:`extend_cache`); returns the whole cache."""
+    order left pending by :func:`defer_cache_reorder`, if any: :func:`extend_cache`); returns the whole cache.
+    ``key_dim``: the dim of the keys' positions (3 for keys kept transposed, (B,H,Dh,T))."""
     if name + ".k" in state:
         rows = state.pop(name + ROWS, None)
-        k = extend_cache(state[name + ".k"], k, rows)
+        k = extend_cache(state[name + ".k"], k, rows, key_dim)
         v = extend_cache(state[name + ".v"], v, rows)
     state[name + ".k"], state[name + ".v"] = k, v
     return k, v

@@ -38,13 +38,14 @@ position, and with ``causal`` a phrase ending after the query (``j + n − 1 > p
 that sees nothing (e.g. position 0 with ``ngrams: [2]`` under ``causal``) gets all-zero weights and a zero
 context.
 
-**Incremental decoding.** Self-attention keeps, batch-first, the keys K' ``state[name + ".k"]`` (B,H,S,Dh)
-and the slot values ``state[name + ".v"]`` (B,H,S,N'·Dh), like a standard key/value cache (beam search's
+**Incremental decoding.** Self-attention keeps, batch-first, the keys K' transposed, ``state[name + ".k"]``
+(B,H,Dh,S) contiguous (Q·K'ᵀ then runs several times faster on a CPU than from (B,H,S,Dh)), and the slot values ``state[name + ".v"]`` (B,H,S,N'·Dh), like a standard key/value cache (beam search's
 deferred reordering applies: :func:`~nmtflow.nn.attention.defer_cache_reorder`), and ``.tail``, the per-offset
 value projections of the last N − 1 positions (N = max n): new tokens complete their phrases with the tail,
 nothing is recomputed over the prefix. Cross-attention caches K', the slot values and the mask of the
-encoder output once (``.static_k``/``.static_v``/``.static_bias``, and ``.static_dead`` if some sentence
-has nothing to attend to).
+encoder output once (``.static_k``, transposed too, ``.static_v``/``.static_bias``, and ``.static_dead`` if
+some sentence has nothing to attend to). A decoding step without padding takes its mask as a prefix of one
+table (:meth:`PhrasalAttention.unpadded_step_bias`).
 
 **Weights for analysis** (``ctx.need_weights``): one tensor (B,H,T,ΣS_n), the softmax over the concatenation
 in ``ngrams`` order — ``[:S_1]`` token-to-token, the rest token-to-phrase, each block by phrase start j.
@@ -55,6 +56,7 @@ projections, the value kernels scaled by 1/√n so that V_n starts with the vari
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,10 +124,11 @@ class PhraseSums(torch.autograd.Function):
         out = x.new_empty([shape[d] for d in order]).permute([order.index(d) for d in range(len(order))])
         for k, (n, offset, empty) in enumerate(_windows_per_n(ngrams, first, count)):
             slots = out.narrow(slot_dim, k, 1)
-            slots.narrow(pos_dim, 0, empty).zero_()
+            if empty:
+                slots.narrow(pos_dim, 0, empty).zero_()
             if empty < count:
                 window = ngram_windows(x, pos_dim, slot_dim, offset, n, first + empty - n + 1, count - empty)
-                torch.sum(window, slot_dim, keepdim=True, out=slots.narrow(pos_dim, empty, count - empty))
+                sum_into(slots.narrow(pos_dim, empty, count - empty).squeeze(slot_dim), window.unbind(slot_dim))
         return out
 
     @staticmethod
@@ -139,6 +142,18 @@ class PhraseSums(torch.autograd.Function):
         return grad_x, None, None, None, None, None, None
 
 
+def sum_into(dst: Tensor, terms: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
+    """``dst = terms[0] + terms[1] + …`` in place, left to right (n − 1 additions, or a copy: a reduction into
+    ``out=`` would zero-fill it first)."""
+    if len(terms) == 1:
+        return dst.copy_(terms[0])
+    torch.add(terms[0], terms[1], out=dst)
+    for term in terms[2:]:
+        dst.add_(term)
+    return dst
+
+
+@functools.lru_cache(maxsize=4096)
 def _windows_per_n(ngrams: tuple[int, ...], first: int, count: int) -> list[tuple[int, int, int]]:
     """Per n: (n, its first kernel row in Σn, how many of the ``count`` slots from ``first`` on are empty)."""
     offsets = [sum(ngrams[:k]) for k in range(len(ngrams))]
@@ -179,6 +194,7 @@ class PhrasalAttention(MultiHeadAttention):
         self.q_proj = nn.Linear(d_model, total * d_model, bias=False)  # all W_{q,n}
         self.v_proj = nn.Linear(d_model, total * d_model, bias=False)  # all W_{v,n}[t]
         self._scales: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # 1/√(Dh·n) per n, per dtype and device
+        self._step_biases: dict[tuple[torch.dtype, torch.device], Tensor] = {}  # see unpadded_step_bias
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -209,8 +225,13 @@ class PhrasalAttention(MultiHeadAttention):
                           for n, p in zip(self.ngrams, parts)], dim=3)
 
     def project_kv(self, source: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        """source (B,S,D) → K' (B,H,S,Dh) and the slot values (B,H,S,N'·Dh): V_n of the phrase ending at e."""
-        return split_heads(self.k_proj(source), self.heads), self.phrase_values(self.v_proj(source), 0)
+        """source (B,S,D) → K'ᵀ (B,H,Dh,S) (a view) and the slot values (B,H,S,N'·Dh): V_n of the phrase ending
+        at e. Keys are handled transposed: Q·K'ᵀ runs several times faster from a contiguous (B,H,Dh,S) cache."""
+        return self.keys_t(source), self.phrase_values(self.v_proj(source), 0)
+
+    def keys_t(self, source: Tensor) -> Tensor:
+        """source (B,S,D) → K'ᵀ (B,H,Dh,S), a view."""
+        return split_heads(self.k_proj(source), self.heads).transpose(-1, -2)
 
     def phrase_values(self, p: Tensor, first: int) -> Tensor:
         """Per-offset value projections p (B,L,Σn·D) of L positions → slot values (B,H,L − first,N'·Dh) of the
@@ -220,6 +241,23 @@ class PhrasalAttention(MultiHeadAttention):
         out = PhraseSums.apply(x, 1, 2, tuple(self.ngrams), first, length - first, (0, 3, 1, 2, 4))
         return out.permute(0, 3, 1, 2, 4).reshape(b, self.heads, length - first, -1)  # a view
 
+    def step_values(self, tail: Tensor, p: Tensor) -> Tensor:
+        """Without autograd: the slot values (B,H,1,N'·Dh) of one new position from its per-offset value
+        projections p (B,1,Σn·D) and the cached ones of the positions before it, ``tail`` (B,L,Σn·D), L ≤ N − 1:
+        :meth:`phrase_values` of their concatenation, without concatenating (0 for a phrase that would start
+        before the sequence)."""
+        b, length = tail.size(0), tail.size(1)
+        new = p.view(b, sum(self.ngrams), self.heads, self.head_dim)
+        old = tail.view(b, length, sum(self.ngrams), self.heads, self.head_dim)
+        out = p.new_empty(b, self.heads, len(self.ngrams), self.head_dim)
+        for k, (n, offset, _) in enumerate(_windows_per_n(tuple(self.ngrams), 0, 0)):
+            if n - 1 > length:
+                out[:, :, k].zero_()
+            else:  # offset t of the phrase: position length − n + 1 + t of the tail, the new one for t = n − 1
+                terms = [old[:, length - n + 1 + t, offset + t] for t in range(n - 1)] + [new[:, offset + n - 1]]
+                sum_into(out[:, :, k], terms)
+        return out.view(b, self.heads, 1, -1)
+
     # ---- the interface --------------------------------------------------------------------------------
     def forward(self, query: Tensor, source: Tensor, *, key_padding_mask: Tensor | None = None,
                 causal: bool = False, state: dict[str, Tensor] | None = None,
@@ -227,12 +265,12 @@ class PhrasalAttention(MultiHeadAttention):
         """query (B,T,D), source (B,S,D) → (B,T,D) and, with ``ctx.need_weights``, weights (B,H,T,ΣS_n)."""
         ctx = ctx or AttentionContext()
         q = self.project_queries(query)
-        k, v = self._keys_values(source, state, ctx)
-        length = k.size(2)
+        kt, v = self._keys_values(source, state, ctx)
+        length = kt.size(3)
         if key_padding_mask is not None and key_padding_mask.size(1) != length:
             raise ValueError(f"{self.name}: key_padding_mask covers {key_padding_mask.size(1)} keys, not {length}")
         bias, dead = self.mask(q.size(0), length, query.size(1), key_padding_mask, causal, q.dtype, state, ctx)
-        out, weights = self.attend_phrases(q, k, v, bias, dead, ctx)
+        out, weights = self.attend_phrases(q, kt, v, bias, dead, ctx)
         return self.out_proj(merge_heads(out)), weights
 
     def mask(self, batch: int, length: int, t: int, key_padding_mask: Tensor | None, causal: bool,
@@ -248,6 +286,9 @@ class PhrasalAttention(MultiHeadAttention):
         hit = ctx.shared.get(key)
         if hit is not None and hit[0] is key_padding_mask:
             bias, dead = hit[1:]
+        elif key_padding_mask is None and t == 1:
+            bias, dead = self.unpadded_step_bias(length, dtype)
+            ctx.shared[key] = (None, bias, dead)
         else:
             visible = phrase_visibility(self.ngrams, length, t, key_padding_mask, causal, self.k_proj.weight.device)
             bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
@@ -261,15 +302,50 @@ class PhrasalAttention(MultiHeadAttention):
                 state[self.name + ".static_dead"] = dead.expand(batch, *dead.shape[1:])
         return bias, dead
 
-    def attend_phrases(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, dead: Tensor | None,
+    def unpadded_step_bias(self, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """:meth:`mask` for one query over ``length`` keys without padding, causal or not (the query is the last
+        position: causality hides nothing), as in every decoding step: only the empty slots (e < n − 1) are
+        hidden. A prefix of one table per dtype and device, grown by doubling, instead of a new mask per step."""
+        device = self.k_proj.weight.device
+        table = self._step_biases.get((dtype, device))
+        if table is None or table.size(3) < length:
+            size = max(length, 64 if table is None else 2 * table.size(3))
+            visible = phrase_visibility(self.ngrams, size, 1, None, False, device)  # (1,1,1,size,N')
+            table = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible,
+                                                                                      torch.finfo(dtype).min)
+            self._step_biases[(dtype, device)] = table
+        dead = None if length >= self.ngrams[0] else torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+        return table[:, :, :, :length], dead
+
+    def phrase_scores(self, r: Tensor, bias: Tensor) -> Tensor:
+        """Without autograd (decoding): bias + A_n / √(Dh·n) from R (B,H,T,Σn,S) → scores (B,H,T,S,N'), what
+        :class:`PhraseSums` and one ``addcmul`` give, with the diagonal sums, the scale and the bias of each n
+        written straight into the scores (one pass and one intermediate fewer)."""
+        b, h, t, _, s = r.shape
+        scores = r.new_empty(b, h, t, s, len(self.ngrams))
+        for k, (n, offset, empty) in enumerate(_windows_per_n(tuple(self.ngrams), 0, s)):
+            dst, bias_k = scores[..., k], bias[..., k]
+            if empty:  # slots of phrases that would start before the keys: the bias alone
+                dst[..., :empty].copy_(bias_k[..., :empty])
+            if empty == s:
+                continue
+            terms = ngram_windows(r, 4, 3, offset, n, empty - n + 1, s - empty).unbind(3)
+            dst, bias_k, scale = dst[..., empty:], bias_k[..., empty:], 1 / math.sqrt(self.head_dim * n)
+            torch.add(bias_k, terms[0] if n == 1 else sum_into(dst, terms), alpha=scale, out=dst)
+        return scores
+
+    def attend_phrases(self, q: Tensor, kt: Tensor, v: Tensor, bias: Tensor, dead: Tensor | None,
                        ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
-        """Q (B,H,T,Σn,Dh), K' (B,H,S,Dh), slot values (B,H,S,N'·Dh), bias → context (B,H,T,Dh) and weights:
-        A_n from diagonal sums of Q Kᵀ, one softmax over all slots (SPEC §3), C = P V."""
+        """Q (B,H,T,Σn,Dh), K'ᵀ (B,H,Dh,S), slot values (B,H,S,N'·Dh), bias → context (B,H,T,Dh) and weights:
+        A_n from diagonal sums of Q K'ᵀ, one softmax over all slots (SPEC §3), C = P V."""
         b, h, t, total, dh = q.shape
-        s, kinds = k.size(2), len(self.ngrams)
-        r = torch.matmul(q.view(b, h, t * total, dh), k.transpose(-1, -2)).view(b, h, t, total, s)
-        sums = PhraseSums.apply(r, 4, 3, tuple(self.ngrams), 0, s, (0, 1, 2, 4, 3)).permute(0, 1, 2, 4, 3)
-        scores = torch.addcmul(bias, sums, self.scales(sums))  # (B,H,T,S,N')
+        s, kinds = kt.size(3), len(self.ngrams)
+        r = torch.matmul(q.view(b, h, t * total, dh), kt).view(b, h, t, total, s)
+        if torch.is_grad_enabled():
+            sums = PhraseSums.apply(r, 4, 3, tuple(self.ngrams), 0, s, (0, 1, 2, 4, 3)).permute(0, 1, 2, 4, 3)
+            scores = torch.addcmul(bias, sums, self.scales(sums))  # (B,H,T,S,N')
+        else:
+            scores = self.phrase_scores(r, bias)
         weights = scores.view(b, h, t, s * kinds).softmax(-1)
         if dead is not None:
             weights = weights.masked_fill(dead, 0.0)
@@ -283,16 +359,27 @@ class PhrasalAttention(MultiHeadAttention):
     # ---- keys and values, with or without a cache --------------------------------------------------------
     def _keys_values(self, source: Tensor, state: dict[str, Tensor] | None,
                      ctx: AttentionContext) -> tuple[Tensor, Tensor]:
-        """K' and slot values over the whole key sequence; a self-attention step completes the phrases of its
-        new positions with the cached tail of per-offset value projections and appends to the caches."""
-        if state is None or not self.self_attention:
-            return super()._keys_values(source, state, ctx)
+        """K'ᵀ and slot values over the whole key sequence; a self-attention step completes the phrases of its
+        new positions with the cached tail of per-offset value projections and appends to the caches. Cached
+        keys are contiguous (B,H,Dh,S)."""
+        if state is None:
+            return self.project_kv(source, ctx)
+        if not self.self_attention:
+            key = self.name + ".static_k"
+            if key not in state:
+                kt, state[self.name + ".static_v"] = self.project_kv(source, ctx)
+                state[key] = kt.contiguous()
+            return state[key], state[self.name + ".static_v"]
         p = self.v_proj(source)  # (B,T,Σn·D)
         tail = state.get(self.name + ".tail")
-        if tail is not None:
-            p = torch.cat([tail, p], dim=1)
-        v = self.phrase_values(p, p.size(1) - source.size(1))
         keep = max(self.ngrams) - 1
+        if tail is not None and source.size(1) == 1 and not torch.is_grad_enabled():  # a decoding step
+            v = self.step_values(tail, p)
+            p = p if keep == 1 else torch.cat([tail[:, 1 - keep:], p], dim=1)
+        else:
+            if tail is not None:
+                p = torch.cat([tail, p], dim=1)
+            v = self.phrase_values(p, p.size(1) - source.size(1))
         if keep:
             state[self.name + ".tail"] = p[:, max(p.size(1) - keep, 0):]
-        return append_to_cache(state, self.name, split_heads(self.k_proj(source), self.heads), v)
+        return append_to_cache(state, self.name, self.keys_t(source), v, key_dim=3)

@@ -11,10 +11,11 @@ import torch
 from nmtflow.cli import main
 from nmtflow.config import ConfigError, load_config
 from nmtflow.data.vocab import BOS, PAD
-from nmtflow.decode.search import beam_search, greedy_search, sequence_logprobs
+from nmtflow.decode.search import _reorder_state, beam_search, greedy_search, sequence_logprobs
 from nmtflow.models.base import Vocabularies, build_model
 from nmtflow.nn.attention import AttentionContext, MultiHeadAttention
-from nmtflow.nn.phrasal import PhrasalAttention, PhrasalOptions, phrase_counts, split_phrasal_weights
+from nmtflow.nn.phrasal import (PhrasalAttention, PhrasalOptions, phrase_counts, phrase_visibility,
+                                split_phrasal_weights)
 from tests.conftest import padded_batch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -168,7 +169,9 @@ def test_keys_shorter_than_n(s_len: int) -> None:
 
 @pytest.mark.parametrize("ngrams", [[1, 2, 3], [2, 4]])
 @pytest.mark.parametrize("chunks", [[1] * 7, [3, 1, 3], [2, 5]])
-def test_module_cache_equals_full_forward(ngrams: list[int], chunks: list[int]) -> None:
+@pytest.mark.parametrize("grad", [True, False])
+def test_module_cache_equals_full_forward(ngrams: list[int], chunks: list[int], grad: bool) -> None:
+    """Without autograd (decoding) one-position steps complete their phrases from the tail without PhraseSums."""
     m = module(ngrams)
     _, source, _ = inputs(s_len=7)
     full, full_w = m(source, source, causal=True, ctx=WEIGHTS)
@@ -176,14 +179,16 @@ def test_module_cache_equals_full_forward(ngrams: list[int], chunks: list[int]) 
     outs, start = [], 0
     for size in chunks:
         x = source[:, start:start + size]
-        y, w = m(x, x, causal=True, state=state, ctx=WEIGHTS)
+        with torch.set_grad_enabled(grad):
+            y, w = m(x, x, causal=True, state=state, ctx=WEIGHTS)
         outs.append(y)
         start += size
     torch.testing.assert_close(torch.cat(outs, 1), full)
     torch.testing.assert_close(w, full_w[:, :, -chunks[-1]:])
     assert all(k.startswith("attn.") and v.size(0) == 3 for k, v in state.items())
-    # keys as a standard cache, one value slot per position and n, raw value projections of the last N-1 only
-    assert state["attn.k"].shape == (3, H, 7, D // H) and state["attn.v"].shape == (3, H, 7, len(ngrams) * D // H)
+    # keys transposed and contiguous, one value slot per position and n, raw value projections of the last N-1 only
+    assert state["attn.k"].shape == (3, H, D // H, 7) and state["attn.k"].is_contiguous()
+    assert state["attn.v"].shape == (3, H, 7, len(ngrams) * D // H)
     assert state["attn.tail"].size(1) == max(ngrams) - 1
 
 
@@ -203,6 +208,38 @@ def test_cross_attention_cache_equals_full_forward() -> None:
     torch.testing.assert_close(torch.cat([w for _, w in steps], 2), full_w)
     assert {k for k in state} == {"attn.static_k", "attn.static_v", "attn.static_bias", "attn.static_dead"}
     assert all(v.size(0) == 3 for v in state.values())
+
+
+@pytest.mark.parametrize("ngrams", [[1, 2], [2, 3]])
+@torch.no_grad()  # as beam search (the gather writes into its output)
+def test_beam_reordered_caches_equal_decoding_the_reordered_prefixes(ngrams: list[int]) -> None:
+    """Beam search's reordering (deferred for the transposed key and the slot value caches, then one gather and
+    append; the tail by the search) gives what decoding the reordered prefixes from the start gives."""
+    m = module(ngrams)
+    _, source, _ = inputs(s_len=6)
+    rows = torch.tensor([2, 0, 2])
+    state: dict[str, torch.Tensor] = {}
+    for i in range(3):
+        m(source[:, i:i + 1], source[:, i:i + 1], causal=True, state=state)
+    state = _reorder_state(state, rows, sentences_changed=False)
+    assert "attn.rows" in state and state["attn.k"].size(0) == 3  # the gather is still pending
+    source = torch.cat([source[rows, :3], source[:, 3:]], 1)
+    steps = [m(source[:, i:i + 1], source[:, i:i + 1], causal=True, state=state)[0] for i in range(3, 6)]
+    full, _ = m(source, source, causal=True)
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 3:])
+
+
+@pytest.mark.parametrize("ngrams", [[1, 2, 3], [2, 3]])
+def test_decoding_step_bias_equals_the_general_mask(ngrams: list[int]) -> None:
+    """The per-step bias taken from a table (grown past its first 64 positions) hides exactly the slots
+    :func:`phrase_visibility` hides for the last query, and flags a query that sees nothing."""
+    m = module(ngrams)
+    for length in (1, 2, 5, 64, 65, 200, 3):
+        bias, dead = m.unpadded_step_bias(length, torch.float64)
+        visible = phrase_visibility(ngrams, length, 1, None, True, torch.device("cpu"))
+        assert bias.shape == visible.shape and torch.equal(bias == 0, visible)
+        assert bool((bias[~visible] == torch.finfo(torch.float64).min).all())
+        assert (dead is not None and bool(dead.all())) == (not bool(visible.any()))
 
 
 # ---- the whole Transformer with phrasal attention in every slot ------------------------------------------
@@ -294,3 +331,20 @@ def test_bad_ngrams_are_config_errors() -> None:
     for bad in ([], [0, 1], [2, 1], [1, 1]):
         with pytest.raises(ConfigError, match="ngrams"):
             load_config(data={"model": {"name": "transformer", "cross_attention": {"type": "phrasal", "ngrams": bad}}})
+
+
+@pytest.mark.parametrize("ngrams", [[1, 2, 3], [2, 4]])
+@pytest.mark.parametrize("kind", ["self", "causal", "cross"])
+@pytest.mark.parametrize("s_len", [5, 3])
+def test_scores_without_autograd_equal_the_autograd_path(ngrams: list[int], kind: str, s_len: int) -> None:
+    """Decoding writes the scaled phrase sums and the bias straight into the scores (no PhraseSums): the same
+    outputs and weights, padding and keys shorter than n included."""
+    m = module(ngrams, self_attention=kind != "cross")
+    query, source, pad = inputs(t_len=4, s_len=s_len)
+    query = source if kind != "cross" else query
+    args = dict(key_padding_mask=pad, causal=kind == "causal")
+    with_grad = m(query, source, ctx=WEIGHTS, **args)
+    with torch.no_grad():
+        without = m(query, source, ctx=WEIGHTS, **args)
+    for a, b in zip(with_grad, without):
+        torch.testing.assert_close(a.detach(), b)
