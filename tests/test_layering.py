@@ -23,8 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("nmtflow.train",),
     ("nmtflow.evaluate", "nmtflow.analysis"),
     # the package's __init__ sits on top: every import of an nmtflow module runs it first, and it installs the
-    # registry's import of the built-in models and attentions
-    ("nmtflow.cli", "nmtflow.__main__", "nmtflow.quickstart", "nmtflow.api", "nmtflow"),
+    # registry's import of the built-in models and attentions; the server builds on the Python API
+    ("nmtflow.cli", "nmtflow.__main__", "nmtflow.quickstart", "nmtflow.api", "nmtflow.serve", "nmtflow"),
 )
 
 # Imports from a layer above, still to be removed: (importer, imported) → why it is there. An entry that no longer
