@@ -17,7 +17,6 @@ outputs identical to nmtflow's, and the cased sacreBLEU of every system against 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from nmtflow.decode.export import export_ctranslate2, import_ctranslate2
 from nmtflow.decode.translate import Translator
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.runtime import keep_freed_memory, machine_info
+from throughput import write_json
 
 
 def ct2_system(out: Path, translator: Translator, args: argparse.Namespace) -> Callable[[list[list[int]]], list]:
@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
     for name in names[1:]:
         result[name]["speedup_over_nmtflow"] = result[name]["sentences_per_s"] / result["nmtflow"]["sentences_per_s"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_json(args.out, result)
     print(f"{'':22}{'sent/s':>9}{'×nmtflow':>10}{'BLEU':>7}{'identical':>11}")
     for name in names:
         r = result[name]
