@@ -55,7 +55,8 @@ VOLATILE = LEGACY_VOLATILE | {("train", "log_every")}
 VOLATILE_SECTIONS = {"decode"}
 # settings added after comparisons were first run: at these defaults they are left out of the fingerprint, so that
 # runs trained before the setting existed (their run.yaml and finished.json lack it) are still this config's runs
-LATER_DEFAULTS = {("train", "valid_bleu_tokenize"): BLEU_TOKENIZER}
+LATER_DEFAULTS = {("train", "valid_bleu_tokenize"): BLEU_TOKENIZER, ("train", "init_from"): None,
+                  ("model", "decoder_init"): "projected", ("model", "encoder_output_dropout"): True}
 
 
 @dataclass
@@ -339,7 +340,8 @@ def _check_previous(run_dir: Path, config_dict: dict[str, Any], fp: str) -> None
     if fingerprint(previous) != fp:
         later = {".".join(key): default for key, default in LATER_DEFAULTS.items()}  # what a run.yaml may lack
         a, b = {**later, **_flat(previous)}, {**later, **_flat(config_dict)}
-        changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not _volatile(tuple(k.split("."))))
+        changed = sorted(k for k in a.keys() | b.keys()
+                         if a.get(k, _ANY) != b.get(k, _ANY) and not _volatile(tuple(k.split("."))))
         raise ConfigError(f"{run_dir} holds a run trained with another config (changed: "
                           f"{', '.join(changed[:5]) or '?'}); use another --out or delete that directory")
 

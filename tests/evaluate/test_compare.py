@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from nmtflow.cli import main
 from nmtflow.config import ConfigError
@@ -322,6 +323,26 @@ def test_runs_recorded_before_decode_left_the_fingerprint_are_still_skipped(copi
     monkeypatch.setattr(compare, "execute", lambda *a, **k: pytest.fail("a finished run was started again"))
     result = run_comparison(experiment, out=out, only=["shortcuts"])
     assert [r["status"] for r in result.runs] == ["done"]
+
+
+def test_runs_recorded_before_a_later_setting_existed_are_still_this_configs(copied,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run.yaml written before a setting existed lacks it: at its default, the run is still this config's."""
+    experiment, out = copied
+    added = {("train", "valid_bleu_tokenize"): "13a", ("train", "init_from"): None,  # settings added since the
+             ("model", "decoder_init"): "projected", ("model", "encoder_output_dropout"): True}  # first comparisons
+    stripped = 0
+    for run_yaml in sorted((out / "runs").glob("*/seed-*/run.yaml")):
+        config = yaml.safe_load(run_yaml.read_text(encoding="utf-8"))
+        for section, key in added:
+            if key in config.get(section, {}):
+                assert config[section].pop(key) == added[section, key]
+                stripped += 1
+        run_yaml.write_text(yaml.safe_dump(config), encoding="utf-8")
+    assert stripped >= 4  # train.init_from and train.valid_bleu_tokenize of every run at least
+    monkeypatch.setattr(compare_job, "train", no_training)  # decoded again at most, never trained again
+    result = run_comparison(experiment, out=out, overrides=["isolate=false"])
+    assert {r["status"] for r in result.runs} == {"done"}
 
 
 def test_budget_must_be_positive_and_one_seed_shows_no_spread(compared) -> None:
