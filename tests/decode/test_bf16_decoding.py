@@ -47,6 +47,11 @@ def test_the_copy_is_bf16_but_its_output_layer_and_the_model_stay_float32() -> N
     assert cast.decoder.output_weight.data_ptr() == model.decoder.output_weight.data_ptr()  # shared, not copied
     assert cast.encoder.layers[0].ffn.fc1.weight.dtype == torch.bfloat16
     assert cast.decoder.embedder.embedding.weight.dtype == torch.bfloat16
+    norm, reference_norm = cast.encoder.layers[0].attn_res.norm, model.encoder.layers[0].attn_res.norm
+    assert norm.weight.dtype == norm.bias.dtype == torch.float32  # the CPU's mixed-type LayerNorm
+    assert norm.weight.data_ptr() == reference_norm.weight.data_ptr()
+    with torch.no_grad():
+        assert norm(torch.randn(2, 3, norm.normalized_shape[0], dtype=torch.bfloat16)).dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert tied == (model.decoder.output_weight is model.decoder.embedder.embedding.weight)
     src, tgt = padded_batch(V)
