@@ -34,14 +34,14 @@ import nmtflow.registry
 from nmtflow.config import load_config
 from nmtflow.data.batching import Batch, collate
 from nmtflow.data.bitext import open_bitext
-from nmtflow.decode.search import beam_search, max_output_lengths
+from nmtflow.decode.search import max_output_lengths
 from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
 from nmtflow.nn.phrasal import PhrasalAttention
 from nmtflow.runtime import machine_info
 from nmtflow.train.loss import label_smoothed_nll
 from throughput import (  # the sibling benchmark's step, search and RSS
-    Optimiser, add_common_args, default_work, peak_rss_mb, prepared_data, steady_heap,
+    Optimiser, add_common_args, decode_batch, default_work, peak_rss_mb, prepared_data, steady_heap,
     training_batches)
 
 
@@ -51,14 +51,6 @@ def slots(ngrams: list[int] | None) -> dict[str, Any]:
         return {}
     slot = {"type": "phrasal", "ngrams": ngrams}
     return {"encoder_self_attention": slot, "decoder_self_attention": slot, "cross_attention": slot}
-
-
-def decode_batch(model: EncoderDecoder, src: torch.Tensor,
-                 args: argparse.Namespace) -> tuple[float, list[int], list[list[int]]]:
-    """``throughput.py``'s beam search over one batch → (seconds, output lengths, the best outputs)."""
-    start = time.perf_counter()
-    hyps = beam_search(model, src, beam_size=args.beam, len_penalty=0.6, max_len_a=1.5, max_len_b=10)
-    return time.perf_counter() - start, [len(h[0].tokens) for h in hyps], [h[0].tokens for h in hyps]
 
 
 def phrasal_class_at(rev: str) -> type:
@@ -181,7 +173,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 4. decoding throughput: the same sentences, the systems alternating batch by batch
     caps = torch.cat([max_output_lengths(s, 1.5, 10, 1022) for s in src_batches]).tolist()
     dec_seconds = dict.fromkeys(systems, 0.0)
-    lengths: dict[str, list[int]] = {name: [] for name in systems}
     outputs: dict[str, list[list[int]]] = {name: [] for name in systems}
     for opt in systems.values():
         opt.model.eval()
@@ -189,10 +180,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for round_ in range(max(1, args.decode_rounds)):
         for src in src_batches:
             for name, opt in systems.items():
-                t, out, tokens = decode_batch(opt.model, src, args)
+                t, tokens = decode_batch(opt.model, src, args)
                 dec_seconds[name] += t
                 if round_ == 0:
-                    lengths[name] += out
                     outputs[name] += tokens
     rss["after_decode"] = peak_rss_mb()
 
@@ -211,15 +201,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     for name, opt in systems.items():
         n_params = count_parameters(opt.model)
+        lengths = [len(tokens) for tokens in outputs[name]]
         result[name] = {
             "ngrams": sets[name],
             "parameters": n_params,
             "train_tgt_tokens_per_s": timed_tokens / seconds[name],
             "train_seconds": seconds[name],
-            "decode_sentences_per_s": len(lengths[name]) * max(1, args.decode_rounds) / dec_seconds[name],
+            "decode_sentences_per_s": len(lengths) * max(1, args.decode_rounds) / dec_seconds[name],
             "decode_seconds": dec_seconds[name],
-            "decode_mean_output_len": sum(lengths[name]) / len(lengths[name]),
-            "decode_frac_at_length_cap": sum(n >= c for n, c in zip(lengths[name], caps)) / len(caps),
+            "decode_mean_output_len": sum(lengths) / len(lengths),
+            "decode_frac_at_length_cap": sum(n >= c for n, c in zip(lengths, caps)) / len(caps),
             "params_grads_adam_mb": 4 * 4 * n_params / 2 ** 20,  # fp32 parameters, gradients, two Adam moments
             "saved_activations_mb": memory[name],
             **({"cuda_peak_train_mb": cuda_peak[name]} if name in cuda_peak else {}),

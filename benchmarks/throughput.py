@@ -136,11 +136,11 @@ def peak_rss_mb() -> float:
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
-def decode_batch(model: EncoderDecoder, src: Tensor, args: argparse.Namespace) -> tuple[float, list[int]]:
-    """Beam search over one batch → (seconds, output lengths without EOS; the hypotheses are on the host)."""
+def decode_batch(model: EncoderDecoder, src: Tensor, args: argparse.Namespace) -> tuple[float, list[list[int]]]:
+    """Beam search over one batch → (seconds, each sentence's best output without EOS, on the host)."""
     start = time.perf_counter()
     hyps = beam_search(model, src, beam_size=args.beam, len_penalty=0.6, max_len_a=1.5, max_len_b=10)
-    return time.perf_counter() - start, [len(h[0].tokens) for h in hyps]
+    return time.perf_counter() - start, [h[0].tokens for h in hyps]
 
 
 # ---- shared by the sibling benchmarks (shortcuts.py, phrasal.py, convs2s.py) --------------------------------
@@ -423,9 +423,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         decode_batch(opt.model, src_batches[0][:2], args)  # untimed warm-up
     for src in src_batches:
         for name, opt in systems.items():
-            t, lengths = decode_batch(opt.model, src, args)
+            t, outputs = decode_batch(opt.model, src, args)
             dec_seconds[name] += t
-            dec_lengths[name] += lengths
+            dec_lengths[name] += map(len, outputs)
             rss[f"after_decode_{name}"] = peak_rss_mb()  # running peak: both systems contribute
 
     # 5. report

@@ -6,8 +6,9 @@ which stays as it was. Everything but the output layer runs in bf16 (the attenti
 (:func:`nmtflow.nn.layers.output_logits`), so the logits, the log-softmax over the vocabulary, the beam scores and
 the length normalisation are float32, as in fp32 decoding. On the CPU the LayerNorms' gains and biases stay float32
 too (PyTorch's CPU LayerNorm takes a bf16 input with float32 parameters and returns bf16): at no measurable cost,
-one more point of outputs identical to fp32's (96.4% → 97.3% of Multi30k val lines, `benchmarks/README.md`). A copy rather than autocast: autocast casts every
-weight again at every decoding step, which costs more than bf16 saves at decoding's small batches.
+one more point of outputs identical to fp32's (96.4% → 97.3% of Multi30k val lines, `benchmarks/README.md`).
+A copy rather than autocast: autocast casts every weight again at every decoding step, which costs more than bf16
+saves at decoding's small batches.
 """
 from __future__ import annotations
 
@@ -37,14 +38,13 @@ def cast_copy(model: EncoderDecoder, dtype: torch.dtype) -> EncoderDecoder:
     # bmm over a copy of the weight per row (the RNN decoder's attention: ×2.5 the decoding time)
     cast = copy.deepcopy(model).to(dtype).eval()
     for (_, mine), (_, theirs) in zip(cast.named_modules(), model.named_modules()):
-        weight = getattr(theirs, "output_weight", None)
-        if isinstance(weight, nn.Parameter) and weight.dtype == torch.float32:
-            mine.output_weight = nn.Parameter(weight.detach(), requires_grad=weight.requires_grad)
-        if isinstance(mine, nn.LayerNorm) and mine.elementwise_affine and theirs.weight.device.type == "cpu":
-            for name in ("weight", "bias"):  # a bf16 input, float32 parameters: PyTorch's mixed-type CPU LayerNorm
-                if getattr(theirs, name) is not None and getattr(theirs, name).dtype == torch.float32:
-                    setattr(mine, name, nn.Parameter(getattr(theirs, name).detach(),
-                                                     requires_grad=getattr(theirs, name).requires_grad))
+        kept = ["output_weight"]
+        if isinstance(theirs, nn.LayerNorm) and theirs.weight is not None and theirs.weight.device.type == "cpu":
+            kept += ["weight", "bias"]  # a bf16 input, float32 parameters: PyTorch's mixed-type CPU LayerNorm
+        for name in kept:
+            param = getattr(theirs, name, None)
+            if isinstance(param, nn.Parameter) and param.dtype == torch.float32:
+                setattr(mine, name, nn.Parameter(param.detach(), requires_grad=param.requires_grad))
     return cast
 
 

@@ -216,8 +216,8 @@ class AttentionBridgeModel(MultilingualModel):
 
     ``encode`` returns ``out`` = H (B,S,d_h), ``padding_mask`` (B,S), ``bridge`` = M (B,k,d_h) and
     ``bridge_attention`` = A (B,k,S). Decoders attend over all k rows of M (no mask); an RNN decoder starts
-    from the mean of M (``decoder_init``). ``auxiliary_loss`` = the penalty of Eq. 10 weighed as ``penalty_scale`` says, which the trainer
-    adds to the summed token cross-entropy before dividing by the update's target tokens.
+    from the mean of M (``decoder_init``). ``auxiliary_loss`` = the penalty of Eq. 10 weighed as ``penalty_scale``
+    says, which the trainer adds to the summed token cross-entropy before dividing by the update's target tokens.
     """
 
     def __init__(self, cfg: BridgeConfig, vocabs: Vocabularies) -> None:

@@ -39,13 +39,13 @@ that sees nothing (e.g. position 0 with ``ngrams: [2]`` under ``causal``) gets a
 context.
 
 **Incremental decoding.** Self-attention keeps, batch-first, the keys K' transposed, ``state[name + ".k"]``
-(B,H,Dh,S) contiguous (Q·K'ᵀ then runs several times faster on a CPU than from (B,H,S,Dh)), and the slot values ``state[name + ".v"]`` (B,H,S,N'·Dh), like a standard key/value cache (beam search's
-deferred reordering applies: :func:`~nmtflow.nn.attention.defer_cache_reorder`), and ``.tail``, the per-offset
-value projections of the last N − 1 positions (N = max n): new tokens complete their phrases with the tail,
-nothing is recomputed over the prefix. Cross-attention caches K', the slot values and the mask of the
-encoder output once (``.static_k``, transposed too, ``.static_v``/``.static_bias``, and ``.static_dead`` if
-some sentence has nothing to attend to). A decoding step without padding takes its mask as a prefix of one
-table (:meth:`PhrasalAttention.unpadded_step_bias`).
+(B,H,Dh,S) contiguous (Q·K'ᵀ then runs several times faster on a CPU than from (B,H,S,Dh)), and the slot values
+``state[name + ".v"]`` (B,H,S,N'·Dh), like a standard key/value cache (beam search's deferred reordering applies:
+:func:`~nmtflow.nn.attention.defer_cache_reorder`), and ``.tail``, the per-offset value projections of the
+last N − 1 positions (N = max n): new tokens complete their phrases with the tail, nothing is recomputed over
+the prefix. Cross-attention caches K', the slot values and the mask of the encoder output once (``.static_k``,
+transposed too, ``.static_v``/``.static_bias``, and ``.static_dead`` if some sentence has nothing to attend to).
+A decoding step without padding takes its mask as a prefix of one table (:meth:`PhrasalAttention.unpadded_step_bias`).
 
 **Weights for analysis** (``ctx.need_weights``): one tensor (B,H,T,ΣS_n), the softmax over the concatenation
 in ``ngrams`` order — ``[:S_1]`` token-to-token, the rest token-to-phrase, each block by phrase start j.
