@@ -29,6 +29,7 @@ from nmtflow.data.synthetic import generate_corpus
 from nmtflow.models.base import count_parameters
 from nmtflow.runtime import machine_info
 from nmtflow.train.multilingual import MultilingualTrainer
+from nmtflow.train.trainer import Trainer
 from throughput import device_option, prepare_once  # the sibling benchmark's helpers
 
 
@@ -57,6 +58,25 @@ def trainer(args: argparse.Namespace, data: Path, model: dict[str, Any], save_di
                   "lr": 1e-3, "warmup_updates": 1000, "clip_norm": 5.0, "progress": False}})
     torch.manual_seed(args.seed)
     return MultilingualTrainer(config, resume=False)
+
+
+def time_in_blocks(trainers: dict[str, Trainer], batches: dict[str, list[Batch]], args: argparse.Namespace,
+                   results: dict[str, dict[str, Any]]) -> None:
+    """Time ``args.steps`` ``train_step`` calls per system on its ``batches`` after the first ``args.warmup``, in
+    ``args.rounds`` alternating blocks (A, B, A, B, ...); ``results[name]`` gets seconds, tokens and every loss."""
+    for name in trainers:
+        results[name].update(seconds=0.0, tokens=0, losses=[])
+    per_round = -(-args.steps // args.rounds)
+    for r in range(args.rounds):
+        for name, t in trainers.items():
+            for b in batches[name][args.warmup + r * per_round: args.warmup + (r + 1) * per_round]:
+                start = time.perf_counter()
+                stats = t.train_step([b])
+                if t.device.type == "cuda":
+                    torch.cuda.synchronize()
+                results[name]["seconds"] += time.perf_counter() - start
+                results[name]["tokens"] += stats["tokens"]
+                results[name]["losses"].append(round(stats["loss"], 5))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -101,18 +121,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             batches[name] = [next(stream)[2] for _ in range(args.warmup + args.steps)]
             for b in batches[name][:args.warmup]:
                 t.train_step([b])
-            results[name] = {"parameters": count_parameters(t.model), "seconds": 0.0, "tokens": 0, "last_loss": None}
-        per_round = -(-args.steps // args.rounds)
-        for r in range(args.rounds):
-            for name, t in trainers.items():
-                for b in batches[name][args.warmup + r * per_round: args.warmup + (r + 1) * per_round]:
-                    start = time.perf_counter()
-                    stats = t.train_step([b])
-                    if t.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    results[name]["seconds"] += time.perf_counter() - start
-                    results[name]["tokens"] += stats["tokens"]
-                    results[name]["last_loss"] = stats["loss"]
+            results[name] = {"parameters": count_parameters(t.model)}
+        time_in_blocks(trainers, batches, args, results)
+        for r in results.values():
+            r["last_loss"] = r.pop("losses")[-1]
         directions = [str(d) for d in trainers["bridge"].directions]
     for r in results.values():
         r["train_tgt_tokens_per_s"] = r["tokens"] / max(r["seconds"], 1e-9)

@@ -20,7 +20,7 @@ Incremental state (batch-first, keyed by the decoder's ``name`` prefix): ``NAME.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +75,9 @@ def masked_mean(x: Tensor, padding_mask: Tensor | None) -> Tensor:
 
 def run_lstm(lstm: nn.LSTM, x: Tensor | PackedSequence,
              hc: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor | PackedSequence, tuple[Tensor, Tensor]]:
-    """``lstm(x, hc)``; under CPU autocast in float32, since oneDNN has no bf16 LSTM on most CPUs (PyTorch's
-    "could not create a primitive descriptor" error). On CUDA, or without autocast, it is a plain call."""
+    """``lstm(x, hc)``; under CPU autocast in float32: oneDNN has no bf16 LSTM on most CPUs (PyTorch's "could not
+    create a primitive descriptor" error), and where it has one (AMX, AVX-512 BF16) a bf16 encoder trained the
+    bridge worse (benchmarks/README.md, ``lstm_steps.py``). On CUDA, or without autocast, it is a plain call."""
     data = x.data if isinstance(x, PackedSequence) else x
     if data.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
         return lstm(x, hc)
@@ -116,6 +117,66 @@ class BiLSTMEncoder(nn.Module):
         return {"out": h, "padding_mask": padding_mask}
 
 
+class StepTape:
+    """What the steps of a recurrence that share one weight leave for its gradient, filled in backward: each step's
+    input and the gradient of its output, by step. Emptied once the weight's gradient is made, so that it never
+    holds a tensor beyond a backward pass (no reference cycle through the graph keeps the steps' inputs alive)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.inputs: dict[int, Tensor] = {}
+        self.grads: dict[int, Tensor] = {}
+
+
+class _SharedWeight(torch.autograd.Function):
+    """Identity on a weight every step multiplies; its backward, which runs after every step's, returns the weight's
+    gradient Σ_t g_tᵀ x_t as one matmul over all steps, where autograd would make a small matmul and an
+    accumulation per step."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, tape: StepTape) -> Tensor:
+        ctx.tape = tape
+        ctx.set_materialize_grads(False)
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, _unused: Tensor | None) -> tuple[Tensor | None, None]:
+        tape = ctx.tape
+        steps = sorted(tape.grads)
+        tape_grads, tape_inputs = tape.grads, tape.inputs
+        tape.grads, tape.inputs = {}, {}
+        if not steps:
+            return None, None
+        grads = torch.cat([tape_grads[i].reshape(-1, tape_grads[i].size(-1)) for i in steps])  # (Σ rows, out)
+        inputs = torch.cat([tape_inputs[i].reshape(-1, tape_inputs[i].size(-1)) for i in steps])  # (Σ rows, in)
+        return grads.t() @ inputs.to(grads.dtype), None
+
+
+class _StepLinear(torch.autograd.Function):
+    """x Wᵀ for one step, W the output of :class:`_SharedWeight`: backward gives x its gradient and leaves W's on
+    the tape."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, tape: StepTape) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.tape, ctx.step = tape, tape.steps
+        tape.steps += 1
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        x, weight = ctx.saved_tensors
+        ctx.tape.grads[ctx.step], ctx.tape.inputs[ctx.step] = grad, x.detach()
+        return (grad @ weight.to(grad.dtype) if ctx.needs_input_grad[0] else None), None, None
+
+
+def step_linear(x: Tensor, weight: Tensor, tape: StepTape | None) -> Tensor:
+    """x Wᵀ: with a tape, W's gradient is computed once for all steps (:class:`_SharedWeight`), else by F.linear."""
+    if tape is None:
+        return F.linear(x, weight)
+    return _StepLinear.apply(x.to(weight.dtype), weight, tape)
+
+
 class LuongDecoder(nn.Module):
     """Stacked LSTM + Luong global attention over a memory (B,K,d_m); see the module docstring."""
 
@@ -139,6 +200,11 @@ class LuongDecoder(nn.Module):
         self.attn_in = nn.Linear(hidden_dim, memory_dim, bias=False)  # W_a ("general" score)
         self.attn_out = nn.Linear(memory_dim + hidden_dim, hidden_dim, bias=False)  # W_c
         self.output_weight = output_weight  # W_s (V,d_h), usually tied to the target embedding
+        self._step_weights: tuple[Any, Any] | None = None  # step_weights' cache while decoding
+        # steps by run_steps (True) or by nn.LSTM called per step (False); None: run_steps where it pays, in training
+        # on the CPU (×1.4 fp32, ×1.5 bf16: benchmarks/lstm_steps.py); nn.LSTM without autograd (decoding: on a par
+        # or faster) and on a GPU (cuDNN; run_steps not measured there)
+        self.own_steps: bool | None = None
 
     def initial_state(self, memory: Tensor, memory_mask: Tensor | None) -> tuple[Tensor, Tensor]:
         """h_0 = tanh(W_init mean(memory)), c_0 = 0 (``projected``), or h_0 = c_0 = mean(memory) (``mean``) → two
@@ -159,6 +225,83 @@ class LuongDecoder(nn.Module):
         context = weights @ memory  # (B,T,d_m)
         return torch.tanh(self.attn_out(torch.cat([context, h], dim=-1)))
 
+    def step_weights(self, dtype: torch.dtype | None) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor | None]]:
+        """The LSTM's parameters arranged for :meth:`run_steps` (nn.LSTM's own, so checkpoints are unchanged):
+        ``(W_x, b_0, [W_0, …], [None, b_1, …])`` with ``W_x`` layer 0's input weight for the embedding, ``b_k`` =
+        b_ih + b_hh, and ``W_k`` = [W_ih | W_hh] for the input ``[feed; h_{t-1}]`` (layer 0) or
+        ``[h^{k-1}_t; h^k_{t-1}]`` (layer k). In ``dtype`` (autocast's) where given. Without autograd (decoding
+        with ``own_steps=True``, which calls the decoder once per step) they are kept until a parameter changes."""
+        if torch.is_grad_enabled():
+            return self._arrange_step_weights(dtype)
+        key = (dtype, tuple((p.data_ptr(), p._version) for p in self.lstm.parameters()))
+        if self._step_weights is None or self._step_weights[0] != key:
+            self._step_weights = (key, self._arrange_step_weights(dtype))
+        return self._step_weights[1]
+
+    def _arrange_step_weights(self, dtype: torch.dtype | None
+                              ) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor | None]]:
+        lstm, e = self.lstm, self.embedding.embedding_dim
+        w_ih0 = lstm.weight_ih_l0
+        recurrent = [torch.cat([w_ih0[:, e:], lstm.weight_hh_l0], dim=1)]
+        biases: list[Tensor | None] = [None]
+        for k in range(1, self.layers):
+            recurrent.append(torch.cat([getattr(lstm, f"weight_ih_l{k}"), getattr(lstm, f"weight_hh_l{k}")], dim=1))
+            biases.append(getattr(lstm, f"bias_ih_l{k}") + getattr(lstm, f"bias_hh_l{k}"))
+        w_x, b_0 = w_ih0[:, :e], lstm.bias_ih_l0 + lstm.bias_hh_l0
+        if dtype is not None:
+            recurrent = [w.to(dtype) for w in recurrent]
+            w_x = w_x.to(dtype)
+        return w_x, b_0, recurrent, biases
+
+    def run_steps(self, x: Tensor, hc: tuple[Tensor, Tensor], feed: Tensor | None, memory: Tensor,
+                  memory_mask: Tensor | None) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor | None]:
+        """The stacked LSTM one step at a time, as nn.LSTM computes it (gates i, f, g, o; dropout between layers
+        in training), with attention after every step when ``feed`` (input feeding) is given.
+
+        x (B,T,E), hc two (layers,B,d_h), feed (B,d_h) | None → (h̃ (B,T,d_h) with input feeding, else the top
+        layer's h (B,T,d_h); hc; feed). The embedding's share of layer 0's gates is one matmul over all T steps,
+        each step one matmul per layer, and in training each layer's weight gradient one matmul over all steps
+        (:class:`_SharedWeight`); nn.LSTM called on single steps costs several times that on the CPU (oneDNN
+        prepares its weights on every call).
+        """
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        w_x, b_0, recurrent, biases = self.step_weights(dtype)
+        # every step's W_x y_{t-1} + b at once; unbound, not indexed per step, whose backward would write a zero
+        # (B,T,4d_h) tensor per step
+        x_gates = F.linear(x, w_x, b_0).unbind(1)  # T × (B,4d_h)
+        tapes: list[StepTape | None] = [None] * self.layers
+        if torch.is_grad_enabled() and recurrent[0].requires_grad:
+            tapes = [StepTape() for _ in range(self.layers)]
+            recurrent = [_SharedWeight.apply(w, tape) for w, tape in zip(recurrent, tapes)]
+        if dtype is not None:  # the state stays float32 under autocast (the initial state may come out of it bf16)
+            hc = (hc[0].float(), hc[1].float())
+        hs, cs = list(hc[0].unbind(0)), list(hc[1].unbind(0))
+        inter_dropout = self.lstm.dropout if self.training else 0.0
+        outputs = []
+        for t in range(x.size(1)):
+            inp = hs[0] if feed is None else torch.cat([feed, hs[0]], dim=-1)
+            gates = x_gates[t] + step_linear(inp, recurrent[0], tapes[0])
+            for k in range(self.layers):
+                if k:
+                    below = F.dropout(hs[k - 1], inter_dropout, True) if inter_dropout else hs[k - 1]
+                    gates = step_linear(torch.cat([below, hs[k]], dim=-1), recurrent[k], tapes[k]) + biases[k]
+                hs[k], cs[k] = lstm_cell(gates, cs[k])
+            if feed is not None:
+                feed = self.attend(hs[-1][:, None], memory, memory_mask)[:, 0]  # h̃_t (B,d_h)
+            outputs.append(hs[-1] if feed is None else feed)
+        return torch.stack(outputs, dim=1), (torch.stack(hs), torch.stack(cs)), feed
+
+    def lstm_steps(self, x: Tensor, hc: tuple[Tensor, Tensor], feed: Tensor, memory: Tensor,
+                   memory_mask: Tensor | None) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor]:
+        """:meth:`run_steps` with input feeding by nn.LSTM, called once per step (``own_steps=False``)."""
+        outputs = []
+        for t in range(x.size(1)):
+            h, hc = run_lstm(self.lstm, torch.cat([x[:, t:t + 1], feed[:, None]], dim=-1), hc)  # (B,1,d_h)
+            feed = self.attend(h, memory, memory_mask)[:, 0]  # (B,d_h)
+            outputs.append(feed)
+        return torch.stack(outputs, dim=1), hc, feed
+
     def forward(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor | None = None,
                 state: State | None = None) -> Tensor:
         """tgt_in (B,T), memory (B,K,d_m), memory_mask (B,K) True = pad | None → logits (B,T,V)."""
@@ -171,13 +314,12 @@ class LuongDecoder(nn.Module):
             hc = self.initial_state(memory, memory_mask)
             feed = memory.new_zeros(b, self.hidden_dim)
         x = F.dropout(self.embedding(tgt_in), self.dropout, self.training)  # (B,T,E)
-        if self.input_feeding:  # h̃_{t-1} is an input of step t: one step at a time
-            outputs = []
-            for t in range(tgt_in.size(1)):
-                h, hc = run_lstm(self.lstm, torch.cat([x[:, t:t + 1], feed[:, None]], dim=-1), hc)  # (B,1,d_h)
-                feed = self.attend(h, memory, memory_mask)[:, 0]  # (B,d_h)
-                outputs.append(feed)
-            h_tilde = torch.stack(outputs, dim=1)  # (B,T,d_h)
+        own = self.own_steps if self.own_steps is not None else (x.device.type == "cpu" and torch.is_grad_enabled())
+        if own and (self.input_feeding or tgt_in.size(1) == 1):  # step by step, or an incremental decoding step
+            out, hc, feed = self.run_steps(x, hc, feed if self.input_feeding else None, memory, memory_mask)
+            h_tilde = out if self.input_feeding else self.attend(out, memory, memory_mask)
+        elif self.input_feeding:  # h̃_{t-1} is an input of step t: one step at a time
+            h_tilde, hc, feed = self.lstm_steps(x, hc, feed, memory, memory_mask)
         else:
             h, hc = run_lstm(self.lstm, x, hc)
             h_tilde = self.attend(h, memory, memory_mask)
@@ -186,6 +328,14 @@ class LuongDecoder(nn.Module):
             if self.input_feeding:
                 state[keys[2]] = feed
         return output_logits(F.dropout(h_tilde, self.dropout, self.training), self.output_weight)  # (B,T,V)
+
+
+def lstm_cell(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """One LSTM step from its pre-activations ``gates`` (B,4d) in nn.LSTM's order i, f, g, o and the cell c (B,d):
+    c' = σ(f)⊙c + σ(i)⊙tanh(g), h' = σ(o)⊙tanh(c') (in c's dtype: float32 under autocast) → (h', c')."""
+    i, f, g, o = gates.to(c.dtype).chunk(4, dim=-1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    return torch.sigmoid(o) * torch.tanh(c), c
 
 
 def output_projection(embedding: nn.Embedding, tie: bool) -> nn.Parameter:
