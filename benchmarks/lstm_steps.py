@@ -1,4 +1,4 @@
-"""The LSTM decoder's own steps against ``nn.LSTM`` called once per step, in the attention-bridge model.
+"""The LSTMs' own steps against ``nn.LSTM``, in the attention-bridge model (its decoders and BiLSTM encoders).
 
 Usage (see benchmarks/README.md)::
 
@@ -6,15 +6,16 @@ Usage (see benchmarks/README.md)::
 
 ``PREPARED`` is a prepared multi-way directory with separate vocabularies, e.g. a Table 1 comparison's ``OUT/data``
 (``nmtflow compare experiments/bridge-table1.yaml``) or ``nmtflow prepare --separate-vocab``; without ``--data``
-the built-in synthetic corpus is prepared into ``--work``. System ``now`` is the model with its default: in CPU
-training the decoders step with :meth:`~nmtflow.models.rnn.LuongDecoder.run_steps`, in decoding with ``nn.LSTM``.
-System ``before`` is the same model as nmtflow ran it before, its decoders calling ``nn.LSTM`` on each step
-(``own_steps=False``). Both train from the same initial weights on the same batches of ``configs/bridge-m30k.yaml``
-(``--pairs``), in alternating blocks (A, B, A, B, ...), per precision; then the weights ``now`` trained (or a trained
-``--decode-checkpoint``, bilingual or multilingual, on ``--decode-src``) decode ``--decode-sentences`` sentences
-greedily and with beam ``--beam``, with ``decode.precision`` fp32 and bf16 (a bf16 copy of the weights), its
-decoders stepping by ``run_steps`` and by ``nn.LSTM`` in turn (``--decode-rounds`` times); the share of identical
-outputs is recorded.
+the built-in synthetic corpus is prepared into ``--work``. System ``now`` is the model with its defaults: in CPU
+training the decoders step with :meth:`~nmtflow.models.rnn.LuongDecoder.run_steps` and, under bf16 autocast, the
+encoders with :meth:`~nmtflow.models.rnn.BiLSTMEncoder.run_steps`; in decoding both use ``nn.LSTM``. System
+``before`` is the same model as nmtflow ran it before (``own_steps=False``): decoders calling ``nn.LSTM`` on each
+step, encoders ``nn.LSTM`` over packed sequences. Both train from the same initial weights on the same batches of
+``configs/bridge-m30k.yaml`` (``--pairs``), in alternating blocks (A, B, A, B, ...), per precision; then the weights
+``now`` trained (or a trained ``--decode-checkpoint``, bilingual or multilingual, on ``--decode-src``) decode
+``--decode-sentences`` sentences greedily and with beam ``--beam``, with ``decode.precision`` fp32 and bf16 (a bf16
+copy of the weights), its decoders stepping by ``run_steps`` and by ``nn.LSTM`` in turn (``--decode-rounds``
+times); the share of identical outputs is recorded.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from nmtflow.data.prepare import prepare
 from nmtflow.data.synthetic import generate_corpus
 from nmtflow.decode.precision import model_in_precision
 from nmtflow.decode.translate import Translator
-from nmtflow.models.rnn import LuongDecoder
+from nmtflow.models.rnn import BiLSTMEncoder, LuongDecoder
 from nmtflow.runtime import machine_info
 from nmtflow.train.multilingual import MultilingualTrainer
 from bridge import time_in_blocks  # the sibling benchmarks' helpers
@@ -43,10 +44,11 @@ from throughput import device_option, prepare_once
 
 
 def run_as_before(model: torch.nn.Module, before: bool) -> None:
-    """Make ``model``'s decoders step as before (nn.LSTM called on each step) or as now (the default: their own
-    steps in CPU training, nn.LSTM in decoding)."""
+    """Make ``model``'s LSTMs run as before (decoders calling nn.LSTM on each step, encoders nn.LSTM over packed
+    sequences) or as now (the defaults: the decoders' own steps in CPU training, the encoders' under bf16 autocast
+    too; nn.LSTM in decoding)."""
     for m in model.modules():
-        if isinstance(m, LuongDecoder):
+        if isinstance(m, (LuongDecoder, BiLSTMEncoder)):
             m.own_steps = False if before else None
 
 
@@ -171,8 +173,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.precisions = [x for x in args.precisions if x != "bf16"]
     data = prepared(args)
     report: dict[str, Any] = {"machine": machine, "systems": {
-        "now": "the default: the decoders' own steps in CPU training (run_steps), nn.LSTM in decoding",
-        "before": "the decoders call nn.LSTM on each step (own_steps=False)"},
+        "now": "the defaults: the decoders' own steps in CPU training, the encoders' in CPU training under bf16 "
+               "autocast (run_steps); nn.LSTM in decoding",
+        "before": "the decoders call nn.LSTM on each step, the encoders nn.LSTM over packed sequences "
+                  "(own_steps=False)"},
                               "config": {k: (shown(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     trained = trained_translator(args) if args.decode_checkpoint else None
     with tempfile.TemporaryDirectory() as tmp:

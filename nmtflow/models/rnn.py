@@ -1,7 +1,7 @@
 """The attentional BiLSTM (Luong et al. 2015; SPEC §1): the host of the attention bridge (SPEC §5).
 
 * :class:`BiLSTMEncoder`: a stack of bidirectional LSTMs over packed sequences (d_h/2 units per direction,
-  so ``H`` is n × d_h, as in Vázquez et al. 2020 §3.1); padding never reaches the LSTM.
+  so ``H`` is n × d_h, as in Vázquez et al. 2020 §3.1); padding never reaches a word's state.
 * :class:`LuongDecoder`: a stack of LSTMs with Luong global attention ("general" score, Luong et al.
   2015 Eq. 5–8) over any memory — the encoder states ``H`` here, the bridge's ``M`` in
   :mod:`nmtflow.models.multilingual` — and optional input feeding (Luong §3.3)::
@@ -13,6 +13,11 @@
   and ``c_0 = 0`` (``init="projected"``), or ``h_0 = c_0 = mean(memory)`` in every layer (``init="mean"``, the
   attention-bridge paper's code: Vázquez et al. 2020, "an initial state computed by mean pooling over M"); the
   mean runs over the memory's non-padding rows.
+
+Both compute their LSTMs either with ``nn.LSTM`` or with their own ``run_steps`` from ``nn.LSTM``'s parameters (one
+batched matrix product per layer and step, each weight's gradient once over all steps: :class:`_SharedWeight`), by
+default where that is faster: the decoder in CPU training, the encoder in CPU training under bf16 autocast
+(``benchmarks/lstm_steps.py``); ``own_steps`` forces either.
 
 Incremental state (batch-first, keyed by the decoder's ``name`` prefix): ``NAME.h`` and ``NAME.c``
 (B, layers, d_h) and, with input feeding, ``NAME.feed`` (B, d_h) = h̃ of the last step.
@@ -104,17 +109,69 @@ class BiLSTMEncoder(nn.Module):
         self.output_dropout = output_dropout
         self.lstm = nn.LSTM(embedding.embedding_dim, hidden_dim // 2, num_layers=layers, batch_first=True,
                             bidirectional=True, dropout=dropout if layers > 1 else 0.0)
+        # run_steps (True) or nn.LSTM over packed sequences (False); None: run_steps in CPU training under bf16
+        # autocast (×1.19 there; in fp32 on a par with oneDNN's LSTM, which has no bf16 on most CPUs)
+        self.own_steps: bool | None = None
 
     def forward(self, src: Tensor) -> EncoderOut:
         padding_mask = src.eq(PAD)  # (B,S), right padding
         lengths = (~padding_mask).sum(1).clamp(min=1)
         x = F.dropout(self.embedding(src), self.dropout, self.training)  # (B,S,E)
-        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
-        out, _ = run_lstm(self.lstm, packed)
-        h, _ = pad_packed_sequence(out, batch_first=True, total_length=src.size(1))  # (B,S,d_h), 0 at pads
+        own = self.own_steps
+        if own is None:
+            own = x.device.type == "cpu" and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
+        if own:
+            h = self.run_steps(x, lengths, padding_mask)
+        else:
+            packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+            out, _ = run_lstm(self.lstm, packed)
+            h, _ = pad_packed_sequence(out, batch_first=True, total_length=src.size(1))  # (B,S,d_h), 0 at pads
         if self.output_dropout:
             h = F.dropout(h, self.dropout, self.training)
         return {"out": h, "padding_mask": padding_mask}
+
+    def run_steps(self, x: Tensor, lengths: Tensor, padding_mask: Tensor) -> Tensor:
+        """The stacked BiLSTM over the right-padded x (B,S,E) as over packed sequences → (B,S,d_h), 0 at pads.
+
+        The backward direction reads each sentence reversed within its length (a gather, its own inverse), so
+        neither direction meets padding before a word. Per layer: both directions' input gates as one matmul over
+        all steps, then per step one batched matmul of the two directions' states (their weight gradient once over
+        all steps, :class:`_SharedWeight`) and the cell's update in float32 (:func:`lstm_cell`); nn.LSTM's
+        parameters, and its dropout between layers.
+        """
+        lstm, d = self.lstm, self.lstm.hidden_size
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        positions = torch.arange(x.size(1), device=x.device)[None]  # (1,S)
+        reversed_at = lengths[:, None] - 1 - positions
+        order = torch.where(reversed_at >= 0, reversed_at, positions)[:, :, None]  # (B,S,1)
+        state = x.new_zeros(2, x.size(0), d, dtype=torch.float32 if dtype is not None else x.dtype)  # (2,B,d)
+        out = x
+        for k in range(lstm.num_layers):
+            if k:
+                out = F.dropout(out, lstm.dropout, self.training)
+            weight = {suffix: [getattr(lstm, f"{name}_l{k}{suffix}") for name in ("weight_ih", "weight_hh", "bias_ih",
+                                                                                   "bias_hh")]
+                      for suffix in ("", "_reverse")}
+            w_ih = torch.cat([weight[""][0], weight["_reverse"][0]])  # (8d,in): both directions' input weights
+            bias = torch.cat([weight[""][2] + weight[""][3], weight["_reverse"][2] + weight["_reverse"][3]])
+            forward_in, backward_in = F.linear(out, w_ih, bias).chunk(2, dim=-1)  # 2 × (B,S,4d)
+            backward_in = backward_in.gather(1, order.expand(-1, -1, 4 * d))
+            steps = torch.stack([forward_in, backward_in]).unbind(2)  # S × (2,B,4d)
+            w_hh = torch.stack([weight[""][1], weight["_reverse"][1]])  # (2,4d,d)
+            if dtype is not None:
+                w_hh = w_hh.to(dtype)
+            tape = StepTape() if torch.is_grad_enabled() and w_hh.requires_grad else None
+            if tape is not None:
+                w_hh = _SharedWeight.apply(w_hh, tape)
+            h, c, outputs = state, state, []
+            for gates in steps:
+                h, c = lstm_cell(gates + step_linear(h, w_hh, tape), c)
+                outputs.append(h)
+            both = torch.stack(outputs, dim=2)  # (2,B,S,d)
+            backward = both[1].gather(1, order.expand(-1, -1, d))
+            out = torch.cat([both[0], backward], dim=-1).masked_fill(padding_mask[:, :, None], 0.0)
+        return out
 
 
 class StepTape:
@@ -147,21 +204,22 @@ class _SharedWeight(torch.autograd.Function):
         tape.grads, tape.inputs = {}, {}
         if not steps:
             return None, None
-        grads = torch.cat([tape_grads[i].reshape(-1, tape_grads[i].size(-1)) for i in steps])  # (Σ rows, out)
-        inputs = torch.cat([tape_inputs[i].reshape(-1, tape_inputs[i].size(-1)) for i in steps])  # (Σ rows, in)
-        return grads.t() @ inputs.to(grads.dtype), None
+        grads = torch.cat([tape_grads[i] for i in steps], dim=-2)  # (..., Σ rows, out)
+        inputs = torch.cat([tape_inputs[i] for i in steps], dim=-2)  # (..., Σ rows, in)
+        return grads.transpose(-1, -2) @ inputs.to(grads.dtype), None
 
 
 class _StepLinear(torch.autograd.Function):
     """x Wᵀ for one step, W the output of :class:`_SharedWeight`: backward gives x its gradient and leaves W's on
-    the tape."""
+    the tape. x (..., rows, in), W (..., out, in): a batch of weights (e.g. an LSTM's two directions) multiplies a
+    batch of inputs."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, tape: StepTape) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.tape, ctx.step = tape, tape.steps
         tape.steps += 1
-        return x @ weight.t()
+        return x @ weight.transpose(-1, -2)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
@@ -173,7 +231,7 @@ class _StepLinear(torch.autograd.Function):
 def step_linear(x: Tensor, weight: Tensor, tape: StepTape | None) -> Tensor:
     """x Wᵀ: with a tape, W's gradient is computed once for all steps (:class:`_SharedWeight`), else by F.linear."""
     if tape is None:
-        return F.linear(x, weight)
+        return x @ weight.transpose(-1, -2) if weight.dim() > 2 else F.linear(x, weight)
     return _StepLinear.apply(x.to(weight.dtype), weight, tape)
 
 

@@ -1,6 +1,7 @@
 """The Luong decoder's own LSTM steps (``LuongDecoder.run_steps``) compute what ``nn.LSTM`` computes with the same
 parameters: logits, final states and every parameter's gradient, with and without input feeding, 1–3 layers; and
-they are used where they pay (CPU training) by default."""
+they are used where they pay (CPU training) by default. The BiLSTM encoder's own steps (``BiLSTMEncoder.run_steps``,
+the default in CPU training under bf16 autocast) equal ``nn.LSTM`` over packed sequences."""
 from __future__ import annotations
 
 import gc
@@ -10,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from nmtflow.data.vocab import PAD
 from nmtflow.models import rnn
-from nmtflow.models.rnn import LuongDecoder, output_projection
+from nmtflow.models.rnn import BiLSTMEncoder, LuongDecoder, output_projection
 from nmtflow.nn.layers import output_logits
 
 
@@ -171,8 +173,83 @@ def test_training_steps_leave_nothing_alive_behind() -> None:
     cycle through the autograd graph keeps a step's inputs alive after the step (a leak of ~10 MB per update at
     d_h 512)."""
     dec = decoder(2, True).train()
+    enc = encoder(2).train()
+    enc.own_steps = True
     tgt_in, memory, mask = inputs()
     for _ in range(3):
         dec(tgt_in, memory, mask).square().mean().backward()
+        enc(sources())["out"].square().mean().backward()
     gc.collect()
     assert not [obj for obj in gc.get_objects() if type(obj) is rnn.StepTape]
+
+
+# ---- the encoder's own steps (BiLSTMEncoder.run_steps) --------------------------------------------------------------
+def encoder(layers: int, dropout: float = 0.0) -> BiLSTMEncoder:
+    torch.manual_seed(layers)
+    return BiLSTMEncoder(nn.Embedding(V, D), D, layers, dropout)
+
+
+def sources() -> Tensor:
+    """Sentences of 7, 4, 1 and 7 tokens, right-padded."""
+    src = torch.randint(4, V, (4, 7), generator=torch.Generator().manual_seed(3))
+    src[1, 4:] = PAD
+    src[2, 1:] = PAD
+    return src
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_encoder_steps_equal_nn_lstm_over_packed_sequences(layers: int) -> None:
+    """The backward direction reads each sentence reversed within its length: padding changes nothing, as with
+    packed sequences; outputs (0 at pads) and every parameter's gradient agree."""
+    enc = encoder(layers).train()
+    src = sources()
+    results = []
+    for own in (False, True):
+        enc.own_steps = own
+        enc.zero_grad()
+        out = enc(src)["out"]
+        out.square().sum().backward()
+        results.append((out, {n: p.grad.clone() for n, p in enc.named_parameters()}))
+    (packed, packed_grads), (steps, steps_grads) = results
+    torch.testing.assert_close(steps, packed, atol=1e-6, rtol=1e-5)
+    assert steps[1, 4:].eq(0).all() and steps[2, 1:].eq(0).all()
+    for name, grad in packed_grads.items():
+        torch.testing.assert_close(steps_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_encoder_steps_apply_dropout_between_layers_in_training_only() -> None:
+    enc = encoder(2)
+    enc.own_steps, enc.dropout = True, 0.0  # embedding and output dropout off; nn.LSTM's inter-layer dropout 0.5
+    enc.lstm.dropout = 0.5
+    src = sources()
+    with torch.no_grad():
+        evaluated = enc.eval()(src)["out"]
+        torch.manual_seed(0)
+        trained = enc.train()(src)["out"]
+    assert not torch.allclose(trained, evaluated, atol=1e-4)
+    enc.lstm.dropout = 0.0
+    with torch.no_grad():
+        torch.testing.assert_close(enc.train()(src)["out"], evaluated)
+
+
+def test_encoder_steps_under_bf16_autocast_by_default_in_cpu_training_and_near_fp32() -> None:
+    """Under CPU autocast in training the encoder steps by default (nn.LSTM otherwise); its state stays float32 and
+    its gradients point where fp32's do."""
+    enc = encoder(2).train()
+    src = sources()
+    used: list[bool] = []
+    run_steps = enc.run_steps
+    enc.run_steps = lambda *a: used.append(True) or run_steps(*a)  # type: ignore[method-assign]
+    fp32 = enc(src)["out"]
+    fp32.square().sum().backward()
+    reference = {n: p.grad.clone() for n, p in enc.named_parameters()}
+    assert used == []
+    enc.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = enc(src)["out"]
+    assert used == [True] and bf16.dtype == torch.float32
+    bf16.square().sum().backward()
+    torch.testing.assert_close(bf16, fp32, atol=5e-2, rtol=5e-2)
+    for name, p in enc.named_parameters():
+        cosine = F.cosine_similarity(p.grad.flatten(), reference[name].flatten(), dim=0)
+        assert p.grad.dtype == torch.float32 and cosine > 0.99, (name, float(cosine))
