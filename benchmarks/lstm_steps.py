@@ -43,13 +43,13 @@ from bridge import time_in_blocks  # the sibling benchmarks' helpers
 from throughput import device_option, prepare_once
 
 
-def run_as_before(model: torch.nn.Module, before: bool) -> None:
+def run_as_before(model: torch.nn.Module, before: bool, own_steps: bool = False) -> None:
     """Make ``model``'s LSTMs run as before (decoders calling nn.LSTM on each step, encoders nn.LSTM over packed
     sequences) or as now (the defaults: the decoders' own steps in CPU training, the encoders' under bf16 autocast
-    too; nn.LSTM in decoding)."""
+    too; nn.LSTM in decoding; with ``own_steps`` (``--own-steps``) the own steps everywhere)."""
     for m in model.modules():
         if isinstance(m, (LuongDecoder, BiLSTMEncoder)):
-            m.own_steps = False if before else None
+            m.own_steps = False if before else (True if own_steps else None)
 
 
 def prepared(args: argparse.Namespace) -> Path:
@@ -80,6 +80,7 @@ def trainer(args: argparse.Namespace, data: Path, precision: str, save_dir: Path
 def train_both(args: argparse.Namespace, data: Path, precision: str, tmp: Path) -> tuple[dict[str, Any], Any]:
     trainers = {name: trainer(args, data, precision, tmp / f"{precision}-{name}") for name in ("now", "before")}
     run_as_before(trainers["before"].model, True)
+    run_as_before(trainers["now"].model, False, args.own_steps)
     stream = trainers["now"].batches()
     batches = [next(stream)[2] for _ in range(args.warmup + args.steps)]
     results: dict[str, Any] = {name: {} for name in trainers}
@@ -118,7 +119,7 @@ def decode_both(args: argparse.Namespace, model: torch.nn.Module, translator: Tr
                     torch.cuda.synchronize()
                 seconds[name] += time.perf_counter() - start
                 outputs[name] = [h[0].tokens for h in hyps]
-        run_as_before(model, False)
+        run_as_before(model, False, args.own_steps)
         same = sum(a == b for a, b in zip(outputs["own_steps"], outputs["nn_lstm"])) / len(sources)
         rate = {name: args.decode_rounds * len(sources) / s for name, s in seconds.items()}
         out[search] = {"sentences_per_s": rate, "ratio_own_steps_over_nn_lstm": rate["own_steps"] / rate["nn_lstm"],
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu", type=device_option)
+    p.add_argument("--own-steps", action="store_true", help="system now runs the own steps wherever it trains, not "
+                   "the defaults (which keep nn.LSTM on a GPU): to measure them there")
     args = p.parse_args(argv)
     if bool(args.decode_checkpoint) != bool(args.decode_src):
         p.error("--decode-checkpoint and --decode-src go together")
