@@ -345,6 +345,48 @@ def test_runs_recorded_before_a_later_setting_existed_are_still_this_configs(cop
     assert {r["status"] for r in result.runs} == {"done"}
 
 
+# Every setting the fingerprint of a trained run holds (nested ones by their full name), for every registered model
+# and a multilingual data section. A setting added to the config changes the fingerprint of every run recorded
+# before it, and the comparison would refuse to continue or report those runs: give a new section-level setting an
+# entry in compare.LATER_DEFAULTS at the default that keeps the earlier behaviour (a nested one needs the fingerprint
+# to leave it out likewise), or list it here if runs before it must not count as this config's.
+FINGERPRINTED = set("""
+data.max_sentences data.max_tokens data.multilingual data.multilingual.copy_pairs data.multilingual.init_checkpoint
+data.multilingual.langs data.multilingual.new_langs data.multilingual.pairs data.multilingual.schedule
+data.multilingual.zero_shot data.src_lang data.tgt_lang data.train_split data.valid_split model.activation
+model.activation_dropout model.attention model.attention_dropout model.backbone.decoder_layers model.backbone.dropout
+model.backbone.encoder_layers model.backbone.hidden_dim model.backbone.input_feeding model.backbone.max_positions
+model.backbone.name model.backbone.preset model.backbone.tie_embeddings model.bridge_bias model.bridge_dim
+model.bridge_heads model.cross_attention.type model.d_model model.decoder model.decoder_layers
+model.decoder_self_attention.type model.dense_decoder model.dense_encoder model.dropout model.embed_dim
+model.embed_small model.encoder model.encoder_layers model.encoder_self_attention.type model.ffn_dim model.growth
+model.heads model.hidden model.hidden_dim model.input_feeding model.kernel_size model.layer_groups model.layers
+model.max_positions model.name model.penalty model.penalty_batch model.penalty_scale model.pre_norm model.preset
+model.self_attention.type model.sumlen model.tie_embeddings model.weight_norm train.adam_betas train.adam_eps
+train.clip_norm train.early_stop_metric train.fused_optimizer train.label_smoothing train.lr train.lr_scheduler
+train.max_bad_updates train.optimizer train.patience train.precision train.save_every train.seed train.update_freq
+train.valid_beam_size train.valid_bleu train.valid_bleu_max_sentences train.validate_every train.warmup_init_lr
+train.warmup_updates train.weight_decay
+""".split())
+
+
+def test_every_fingerprinted_setting_is_known_so_a_new_one_cannot_orphan_recorded_runs() -> None:
+    from nmtflow.config import load_config, to_dict
+    from nmtflow.registry import MODELS
+
+    found = set()
+    for name in MODELS.names():
+        for data in ({}, {"multilingual": {"langs": ["en", "de"]}}):
+            config = to_dict(load_config(data={"model": {"name": name}, "data": data}))
+            found |= {key for key in compare._flat(config)
+                      if not compare._volatile(tuple(key.split("."))) and tuple(key.split("."))[:2]
+                      not in compare.LATER_DEFAULTS}
+    assert not found - FINGERPRINTED, (
+        f"new settings {sorted(found - FINGERPRINTED)} change the fingerprint of every comparison run recorded "
+        "before them: add each to compare.LATER_DEFAULTS at its behaviour-preserving default, or to FINGERPRINTED")
+    assert not FINGERPRINTED - found, f"settings gone from the config: {sorted(FINGERPRINTED - found)}"
+
+
 def test_budget_must_be_positive_and_one_seed_shows_no_spread(compared) -> None:
     from nmtflow.evaluate.compare_report import _fmt_score
 
