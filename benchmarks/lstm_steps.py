@@ -43,13 +43,19 @@ from bridge import time_in_blocks  # the sibling benchmarks' helpers
 from throughput import device_option, prepare_once
 
 
+def set_own_steps(model: torch.nn.Module, value: bool | None,
+                  kinds: tuple[type, ...] = (LuongDecoder, BiLSTMEncoder)) -> None:
+    """``own_steps`` of every module of ``kinds`` in ``model`` (None: the default)."""
+    for m in model.modules():
+        if isinstance(m, kinds):
+            m.own_steps = value
+
+
 def run_as_before(model: torch.nn.Module, before: bool, own_steps: bool = False) -> None:
     """Make ``model``'s LSTMs run as before (decoders calling nn.LSTM on each step, encoders nn.LSTM over packed
     sequences) or as now (the defaults: the decoders' own steps in CPU training, the encoders' under bf16 autocast
     too; nn.LSTM in decoding; with ``own_steps`` (``--own-steps``) the own steps everywhere)."""
-    for m in model.modules():
-        if isinstance(m, (LuongDecoder, BiLSTMEncoder)):
-            m.own_steps = False if before else (True if own_steps else None)
+    set_own_steps(model, False if before else (True if own_steps else None))
 
 
 def prepared(args: argparse.Namespace) -> Path:
@@ -110,9 +116,7 @@ def decode_both(args: argparse.Namespace, model: torch.nn.Module, translator: Tr
         for _ in range(args.decode_rounds):
             for name in seconds:
                 for m in (model, model_in_precision(model, precision)):
-                    for dec in m.modules():
-                        if isinstance(dec, LuongDecoder):
-                            dec.own_steps = name == "own_steps"
+                    set_own_steps(m, name == "own_steps", kinds=(LuongDecoder,))
                 start = time.perf_counter()
                 hyps = decoding.translate_ids(sources)
                 if args.device.startswith("cuda"):

@@ -140,8 +140,7 @@ class BiLSTMEncoder(nn.Module):
         parameters, and its dropout between layers.
         """
         lstm, d = self.lstm, self.lstm.hidden_size
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        dtype = autocast_dtype(x)
         positions = torch.arange(x.size(1), device=x.device)[None]  # (1,S)
         reversed_at = lengths[:, None] - 1 - positions
         order = torch.where(reversed_at >= 0, reversed_at, positions)[:, :, None]  # (B,S,1)
@@ -150,20 +149,15 @@ class BiLSTMEncoder(nn.Module):
         for k in range(lstm.num_layers):
             if k:
                 out = F.dropout(out, lstm.dropout, self.training)
-            weight = {suffix: [getattr(lstm, f"{name}_l{k}{suffix}") for name in ("weight_ih", "weight_hh", "bias_ih",
-                                                                                   "bias_hh")]
-                      for suffix in ("", "_reverse")}
-            w_ih = torch.cat([weight[""][0], weight["_reverse"][0]])  # (8d,in): both directions' input weights
-            bias = torch.cat([weight[""][2] + weight[""][3], weight["_reverse"][2] + weight["_reverse"][3]])
-            forward_in, backward_in = F.linear(out, w_ih, bias).chunk(2, dim=-1)  # 2 × (B,S,4d)
+            def both(name: str) -> list[Tensor]:  # layer k's parameter of both directions, forward first
+                return [getattr(lstm, f"{name}_l{k}{suffix}") for suffix in ("", "_reverse")]
+
+            bias = torch.cat([b_ih + b_hh for b_ih, b_hh in zip(both("bias_ih"), both("bias_hh"))])
+            forward_in, backward_in = F.linear(out, torch.cat(both("weight_ih")), bias).chunk(2, dim=-1)  # (B,S,4d)
             backward_in = backward_in.gather(1, order.expand(-1, -1, 4 * d))
             steps = torch.stack([forward_in, backward_in]).unbind(2)  # S × (2,B,4d)
-            w_hh = torch.stack([weight[""][1], weight["_reverse"][1]])  # (2,4d,d)
-            if dtype is not None:
-                w_hh = w_hh.to(dtype)
-            tape = StepTape() if torch.is_grad_enabled() and w_hh.requires_grad else None
-            if tape is not None:
-                w_hh = _SharedWeight.apply(w_hh, tape)
+            w_hh = torch.stack(both("weight_hh"))  # (2,4d,d)
+            w_hh, tape = taped(w_hh if dtype is None else w_hh.to(dtype))
             h, c, outputs = state, state, []
             for gates in steps:
                 h, c = lstm_cell(gates + step_linear(h, w_hh, tape), c)
@@ -228,11 +222,26 @@ class _StepLinear(torch.autograd.Function):
         return (grad @ weight.to(grad.dtype) if ctx.needs_input_grad[0] else None), None, None
 
 
+def taped(weight: Tensor) -> tuple[Tensor, StepTape | None]:
+    """``weight`` for the steps of a recurrence and its tape, where autograd will want its gradient (training):
+    then through :class:`_SharedWeight`; else ``(weight, None)``."""
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return weight, None
+    tape = StepTape()
+    return _SharedWeight.apply(weight, tape), tape
+
+
 def step_linear(x: Tensor, weight: Tensor, tape: StepTape | None) -> Tensor:
-    """x Wᵀ: with a tape, W's gradient is computed once for all steps (:class:`_SharedWeight`), else by F.linear."""
+    """x Wᵀ (W (..., out, in)): with a tape, W's gradient is computed once for all steps (:class:`_SharedWeight`)."""
     if tape is None:
-        return x @ weight.transpose(-1, -2) if weight.dim() > 2 else F.linear(x, weight)
+        return x @ weight.transpose(-1, -2)
     return _StepLinear.apply(x.to(weight.dtype), weight, tape)
+
+
+def autocast_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype autocast gives matmuls on ``x``'s device, or None outside autocast."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 class LuongDecoder(nn.Module):
@@ -322,16 +331,12 @@ class LuongDecoder(nn.Module):
         (:class:`_SharedWeight`); nn.LSTM called on single steps costs several times that on the CPU (oneDNN
         prepares its weights on every call).
         """
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        dtype = autocast_dtype(x)
         w_x, b_0, recurrent, biases = self.step_weights(dtype)
         # every step's W_x y_{t-1} + b at once; unbound, not indexed per step, whose backward would write a zero
         # (B,T,4d_h) tensor per step
         x_gates = F.linear(x, w_x, b_0).unbind(1)  # T × (B,4d_h)
-        tapes: list[StepTape | None] = [None] * self.layers
-        if torch.is_grad_enabled() and recurrent[0].requires_grad:
-            tapes = [StepTape() for _ in range(self.layers)]
-            recurrent = [_SharedWeight.apply(w, tape) for w, tape in zip(recurrent, tapes)]
+        recurrent, tapes = zip(*[taped(w) for w in recurrent])  # per layer: the weight (taped in training), its tape
         if dtype is not None:  # the state stays float32 under autocast (the initial state may come out of it bf16)
             hc = (hc[0].float(), hc[1].float())
         hs, cs = list(hc[0].unbind(0)), list(hc[1].unbind(0))
