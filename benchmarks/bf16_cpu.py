@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--decode-only", action="store_true", help="skip training: time decoding only")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--force", action="store_true", help="run even where the CPU has no native bf16")
+    p.add_argument("--compile", action="store_true",
+                   help="also time fp32 and bf16 with train.compile (each layer and the loss under torch.compile)")
     add_common_args(p, warmup=3, steps=24, rounds=4)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -158,12 +160,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     vocab = prepared_data(args, work)
     valid = open_bitext(work, "valid", args.src, args.tgt)
 
-    def config(precision: str) -> Any:
+    def config(precision: str, compiled: bool = False) -> Any:
         return load_config(data={
             "model": {"name": "transformer", "preset": args.preset, "encoder_layers": args.layers,
                       "decoder_layers": args.layers, "dropout": 0.1, "tie_embeddings": True},
             "train": {"seed": args.seed, "label_smoothing": 0.1, "clip_norm": 1.0, "precision": precision,
-                      "warmup_updates": args.lr_warmup}})
+                      "warmup_updates": args.lr_warmup, "compile": compiled}})
 
     torch.manual_seed(args.seed)
     model = build_model(config("fp32").model, Vocabularies(vocab, vocab, joint=True))
@@ -212,6 +214,16 @@ def timed_training(args: argparse.Namespace, model: EncoderDecoder, config: Call
                                      "bf16": Optimiser(copy.deepcopy(model), config("bf16").train)}
     if args.old_attention:
         systems["bf16_sdpa_in_bf16"] = OldAttention(copy.deepcopy(model), config("bf16").train)
+    compile_seconds = {}
+    if args.compile:  # every shape class these batches need is compiled (on a throwaway copy) before any is timed
+        for precision in ("fp32", "bf16"):
+            name, tc = f"{precision}_compiled", config(precision, compiled=True).train
+            start = time.perf_counter()
+            throwaway = Optimiser(copy.deepcopy(model), tc)  # the compiled graphs are per layer class: kept
+            for b in warm + timed:
+                throwaway.step(b)
+            compile_seconds[name] = time.perf_counter() - start
+            systems[name] = Optimiser(copy.deepcopy(model), tc)
 
     # 1. training speed on the same batches, alternating blocks
     seconds, _, _ = alternating_training(systems, warm, timed, args.rounds, device)
@@ -220,16 +232,21 @@ def timed_training(args: argparse.Namespace, model: EncoderDecoder, config: Call
     for name in train:
         train[name]["speed_over_fp32"] = seconds["fp32"] / seconds[name]
 
+    for name, s in compile_seconds.items():
+        train[name]["compile_pass_seconds"] = s
+
     # 2. validation loss after the same updates
+    checked = ("fp32", "bf16", "bf16_compiled") if args.compile else ("fp32", "bf16")
     for b in more:
-        for name in ("fp32", "bf16"):
+        for name in checked:
             systems[name].step(b)
-    loss = {name: valid_nll(systems[name].model, valid_batches) for name in ("fp32", "bf16")}
+    loss = {name: valid_nll(systems[name].model, valid_batches) for name in checked}
     return {"train_config": {"max_tokens": args.max_tokens, "warmup_batches": len(warm), "timed_batches": len(timed),
                              "rounds": args.rounds, "timed_tgt_tokens": tokens, "loss_updates": len(batches),
                              "lr_warmup": args.lr_warmup, "valid_sentences": len(rows)},
             "train": train,
-            "valid_nll_after_updates": {**loss, "bf16_relative_difference": loss["bf16"] / loss["fp32"] - 1}}
+            "valid_nll_after_updates": {**loss, **{f"{name}_relative_difference": loss[name] / loss["fp32"] - 1
+                                                    for name in checked[1:]}}}
 
 
 if __name__ == "__main__":

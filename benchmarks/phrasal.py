@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--decode-rounds", type=int, default=1, help="decode the sentences this many times (alternating)")
     p.add_argument("--compare-with", metavar="REV", help="also run phrasal.py of this git revision (see above)")
+    p.add_argument("--compile", action="store_true",
+                   help="train every system with train.compile (its layers and the loss under torch.compile)")
     add_common_args(p, warmup=3, steps=30, rounds=3)
     args = p.parse_args(argv)
     if args.steps < 1 or args.decode_sentences < 1:
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cfg = load_config(data={
             "model": {"name": "transformer", "preset": args.preset, "encoder_layers": args.layers,
                       "decoder_layers": args.layers, **slots(ngrams)},
-            "train": {"seed": args.seed, "precision": args.precision, "label_smoothing": 0.1, "clip_norm": 1.0}})
+            "train": {"seed": args.seed, "precision": args.precision, "label_smoothing": 0.1, "clip_norm": 1.0,
+                      "compile": args.compile}})
         torch.manual_seed(args.seed)
         model = build_model(cfg.model, Vocabularies(vocab, vocab)).to(device)
         if "@" in name:  # the same weights (same seed) under the old code
@@ -192,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine_info(device, threads=torch.get_num_threads()),
         "config": {"data": args.data.name, "src": args.src, "tgt": args.tgt, "vocab_size": vocab,
                    "preset": args.preset, "layers": args.layers, "max_tokens": args.max_tokens,
-                   "precision": args.precision,
+                   "precision": args.precision, "compile": args.compile,
                    "warmup_batches": args.warmup, "timed_batches": len(timed), "rounds": rounds,
                    "timed_tgt_tokens": timed_tokens, "decode_sentences": len(sources), "beam": args.beam,
                    "decode_rounds": max(1, args.decode_rounds),

@@ -36,6 +36,7 @@ from nmtflow.decode.search import beam_search, max_output_lengths
 from nmtflow.decode.translate import batches_by_length
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies, build_model, \
     count_parameters
+from nmtflow.nn.compiled import compile_regions
 from nmtflow.nn.layers import SinusoidalPositions
 from nmtflow.runtime import autocast, hold_heap, keep_freed_memory, machine_info, use_precision
 from nmtflow.train.loss import label_smoothed_nll
@@ -107,6 +108,8 @@ class Optimiser:
     def __init__(self, model: EncoderDecoder, tc: TrainConfig) -> None:
         self.model, self.tc = model, tc
         self.device = next(model.parameters()).device
+        if tc.compile:  # as Trainer.compile_model: the layers and the loss run compiled in training
+            compile_regions(model)
         keep_freed_memory()  # as Trainer does (process-wide)
         use_precision(tc.precision)
         self.optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], tc)
@@ -119,7 +122,8 @@ class Optimiser:
         tokens = b.num_tgt_tokens
         with autocast(tc.precision, self.device):
             enc = model.encode(b.src)
-            loss, _ = label_smoothed_nll(model.decode(b.tgt_in, enc), b.tgt_out, tc.label_smoothing)
+            loss, _ = label_smoothed_nll(model.decode(b.tgt_in, enc), b.tgt_out, tc.label_smoothing,
+                                         compiled=tc.compile)
             aux = model.auxiliary_loss(enc, b.num_tgt_tokens)
             total = (loss if aux is None else loss + aux) / tokens
         total.backward()

@@ -242,6 +242,7 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | tf32 (fp32, TF32 matmuls, GPU only) | bf16 (autocast) | fp16 (+ GradScaler, GPU only)
     max_bad_updates: int = 5  # stop after this many consecutive updates with a non-finite loss (each skipped)
     init_from: str | None = None  # fine-tuning: a new run starts from this checkpoint's weights (train/finetune.py)
+    compile: bool = False  # torch.compile each Transformer layer and the loss for training (nn/compiled.py)
 
     def validate(self, where: str) -> None:
         if self.precision not in PRECISIONS:

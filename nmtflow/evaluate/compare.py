@@ -56,7 +56,8 @@ VOLATILE_SECTIONS = {"decode"}
 # settings added after comparisons were first run: at these defaults they are left out of the fingerprint, so that
 # runs trained before the setting existed (their run.yaml and finished.json lack it) are still this config's runs
 LATER_DEFAULTS = {("train", "valid_bleu_tokenize"): BLEU_TOKENIZER, ("train", "init_from"): None,
-                  ("model", "decoder_init"): "projected", ("model", "encoder_output_dropout"): True}
+                  ("model", "decoder_init"): "projected", ("model", "encoder_output_dropout"): True,
+                  ("train", "compile"): False}
 
 
 @dataclass

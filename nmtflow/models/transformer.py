@@ -17,6 +17,7 @@ from nmtflow.config import ConfigError
 from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
 from nmtflow.nn.attention import AttentionConfig, AttentionContext, build_attention, link_stack
+from nmtflow.nn.compiled import CompiledRegion
 from nmtflow.nn.layers import FeedForward, SinusoidalPositions, output_logits, token_embedding
 from nmtflow.registry import register_model
 
@@ -99,7 +100,9 @@ class Residual(nn.Module):
         return out if self.pre_norm else self.norm(out)
 
 
-class EncoderLayer(nn.Module):
+class EncoderLayer(CompiledRegion):
+    """Self-attention and FFN, each in a :class:`Residual`; compiled in training under ``train.compile``."""
+
     def __init__(self, cfg: TransformerConfig, index: int) -> None:
         super().__init__()
         self.self_attn = build_attention(cfg.encoder_self_attention, cfg.d_model, cfg.heads,
@@ -109,7 +112,7 @@ class EncoderLayer(nn.Module):
         self.attn_res = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
         self.ffn_res = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
-    def forward(self, x: Tensor, padding_mask: Tensor | None, ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
+    def run(self, x: Tensor, padding_mask: Tensor | None, ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
         h = self.attn_res.inner(x)
         y, weights = self.self_attn(h, h, key_padding_mask=padding_mask, ctx=ctx)
         x = self.attn_res.outer(x, y)
@@ -117,8 +120,9 @@ class EncoderLayer(nn.Module):
         return x, weights
 
 
-class DecoderLayer(nn.Module):
-    """Causal self-attention, cross-attention, FFN; ``cross_attention=False`` drops the middle one (an LM layer)."""
+class DecoderLayer(CompiledRegion):
+    """Causal self-attention, cross-attention, FFN; ``cross_attention=False`` drops the middle one (an LM layer).
+    Compiled in training under ``train.compile`` (teacher forcing, no incremental ``state``)."""
 
     def __init__(self, cfg: TransformerConfig, index: int, *, cross_attention: bool = True) -> None:
         super().__init__()
@@ -133,8 +137,11 @@ class DecoderLayer(nn.Module):
         self.cross_res = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm) if cross_attention else None
         self.ffn_res = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
-    def forward(self, x: Tensor, enc: EncoderOut, state: State | None, self_ctx: AttentionContext,
-                cross_ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
+    def compilable(self, x: Tensor, enc: EncoderOut, state: State | None, *ctx: AttentionContext) -> bool:
+        return state is None
+
+    def run(self, x: Tensor, enc: EncoderOut, state: State | None, self_ctx: AttentionContext,
+            cross_ctx: AttentionContext) -> tuple[Tensor, Tensor | None]:
         h = self.self_res.inner(x)
         y, _ = self.self_attn(h, h, causal=True, state=state, ctx=self_ctx)
         x = self.self_res.outer(x, y)

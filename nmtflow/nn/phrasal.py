@@ -153,6 +153,24 @@ def sum_into(dst: Tensor, terms: tuple[Tensor, ...] | list[Tensor]) -> Tensor:
     return dst
 
 
+def phrase_sums(x: Tensor, pos_dim: int, slot_dim: int, ngrams: tuple[int, ...], first: int, count: int,
+                order: tuple[int, ...]) -> Tensor:
+    """:class:`PhraseSums`; in a compiled layer (``train.compile``) the same sums as shifted slices added up, which
+    the compiler fuses (its strided views and in-place backward are opaque to it)."""
+    if not torch.compiler.is_compiling():
+        return PhraseSums.apply(x, pos_dim, slot_dim, ngrams, first, count, order)
+    per_n = []
+    for n, offset, empty in _windows_per_n.__wrapped__(ngrams, first, count):  # (the cache is opaque to it)
+        shape = list(x.shape)
+        shape[pos_dim], shape[slot_dim] = empty, 1
+        parts = [x.new_zeros(shape)] if empty else []
+        if empty < count:
+            parts.append(sum(x.narrow(slot_dim, offset + t, 1).narrow(pos_dim, first + empty - n + 1 + t,
+                                                                      count - empty) for t in range(n)))
+        per_n.append(torch.cat(parts, pos_dim) if len(parts) > 1 else parts[0])
+    return torch.cat(per_n, slot_dim)
+
+
 @functools.lru_cache(maxsize=4096)
 def _windows_per_n(ngrams: tuple[int, ...], first: int, count: int) -> list[tuple[int, int, int]]:
     """Per n: (n, its first kernel row in Σn, how many of the ``count`` slots from ``first`` on are empty)."""
@@ -211,9 +229,13 @@ class PhrasalAttention(MultiHeadAttention):
     def scales(self, like: Tensor) -> Tensor:
         """1/√(Dh·n) per n, in the dtype and on the device of ``like``."""
         key = (like.dtype, like.device)
-        if key not in self._scales:
-            self._scales[key] = torch.tensor([1 / math.sqrt(self.head_dim * n) for n in self.ngrams],
-                                             dtype=like.dtype, device=like.device)
+        compiling = torch.compiler.is_compiling()  # a constant in a compiled graph: the cache would cost a recompile
+        if compiling or key not in self._scales:
+            values = torch.tensor([1 / math.sqrt(self.head_dim * n) for n in self.ngrams], dtype=like.dtype,
+                                  device=like.device)
+            if compiling:
+                return values
+            self._scales[key] = values
         return self._scales[key]
 
     # ---- projections ----------------------------------------------------------------------------------
@@ -238,7 +260,7 @@ class PhrasalAttention(MultiHeadAttention):
         phrases ending at positions ``first`` … L − 1 (V_n; zero where one would start before p)."""
         b, length, _ = p.shape
         x = p.view(b, length, sum(self.ngrams), self.heads, self.head_dim)
-        out = PhraseSums.apply(x, 1, 2, tuple(self.ngrams), first, length - first, (0, 3, 1, 2, 4))
+        out = phrase_sums(x, 1, 2, tuple(self.ngrams), first, length - first, (0, 3, 1, 2, 4))
         return out.permute(0, 3, 1, 2, 4).reshape(b, self.heads, length - first, -1)  # a view
 
     def step_values(self, tail: Tensor, p: Tensor) -> Tensor:
@@ -282,6 +304,8 @@ class PhrasalAttention(MultiHeadAttention):
         cached = state is not None and not self.self_attention
         if cached and self.name + ".static_bias" in state:
             return state[self.name + ".static_bias"], state.get(self.name + ".static_dead")
+        if torch.compiler.is_compiling():  # in a compiled layer (train.compile): no cache, no data-dependent branch
+            return self.visibility_bias(length, t, key_padding_mask, causal, dtype)
         key = ("phrasal.mask", tuple(self.ngrams), length, t, causal, dtype)
         hit = ctx.shared.get(key)
         if hit is not None and hit[0] is key_padding_mask:
@@ -290,10 +314,7 @@ class PhrasalAttention(MultiHeadAttention):
             bias, dead = self.unpadded_step_bias(length, dtype)
             ctx.shared[key] = (None, bias, dead)
         else:
-            visible = phrase_visibility(self.ngrams, length, t, key_padding_mask, causal, self.k_proj.weight.device)
-            bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-            bias.masked_fill_(~visible, torch.finfo(dtype).min)
-            dead = ~visible.flatten(-2).any(-1, keepdim=True)
+            bias, dead = self.visibility_bias(length, t, key_padding_mask, causal, dtype)
             dead = dead if bool(dead.any()) else None
             ctx.shared[key] = (key_padding_mask, bias, dead)
         if cached:  # batch-first, as every state entry
@@ -301,6 +322,14 @@ class PhrasalAttention(MultiHeadAttention):
             if dead is not None:
                 state[self.name + ".static_dead"] = dead.expand(batch, *dead.shape[1:])
         return bias, dead
+
+    def visibility_bias(self, length: int, t: int, key_padding_mask: Tensor | None, causal: bool,
+                        dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The additive bias of :meth:`mask` from :func:`phrase_visibility`, and which queries see nothing."""
+        visible = phrase_visibility(self.ngrams, length, t, key_padding_mask, causal, self.k_proj.weight.device)
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible,
+                                                                                          torch.finfo(dtype).min)
+        return bias, ~visible.flatten(-2).any(-1, keepdim=True)
 
     def unpadded_step_bias(self, length: int, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
         """:meth:`mask` for one query over ``length`` keys without padding, causal or not (the query is the last
@@ -342,7 +371,7 @@ class PhrasalAttention(MultiHeadAttention):
         s, kinds = kt.size(3), len(self.ngrams)
         r = torch.matmul(q.view(b, h, t * total, dh), kt).view(b, h, t, total, s)
         if torch.is_grad_enabled():
-            sums = PhraseSums.apply(r, 4, 3, tuple(self.ngrams), 0, s, (0, 1, 2, 4, 3)).permute(0, 1, 2, 4, 3)
+            sums = phrase_sums(r, 4, 3, tuple(self.ngrams), 0, s, (0, 1, 2, 4, 3)).permute(0, 1, 2, 4, 3)
             scores = torch.addcmul(bias, sums, self.scales(sums))  # (B,H,T,S,N')
         else:
             scores = self.phrase_scores(r, bias)

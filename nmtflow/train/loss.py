@@ -9,15 +9,21 @@ so :class:`SmoothedCrossEntropy` computes ``softmax(z)`` once forward (``lse_t =
 exact since the largest probability is ``1/Σ_v exp(z_tv − max z_t)``) and builds the gradient from it with
 two in-place passes backward, where ``log_softmax`` + ``gather`` + ``mean`` autograd builds and zero-fills
 several (N,V) tensors (vocabulary-sized outputs dominate a small model's loss cost).
+
+Under ``train.compile`` the same sums are written as plain tensor operations (:func:`smoothed_nll_terms`) and
+compiled: the compiler fuses the cast, the softmax's reductions and the gradient into a few passes over the (N,V)
+logits, where eager mode makes about eight.
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from nmtflow.data.vocab import PAD
+from nmtflow.nn.compiled import compile_dynamic
 
 
 class SmoothedCrossEntropy(torch.autograd.Function):
@@ -50,10 +56,35 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None
 
 
-def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+def smoothed_nll_terms(logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+    """What :class:`SmoothedCrossEntropy` computes, as operations autograd and ``torch.compile`` differentiate:
+    ``lse_t = log Σ_v exp(z_tv)``, ``nll_t = lse_t − z_{t,y_t}``, ``smooth_t = lse_t − mean_v z_tv``, summed where
+    ``target ≠ PAD``; logits (N,V) in bf16 or fp16 are read in float32."""
+    z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    keep = target.ne(PAD)
+    nll = torch.where(keep, lse - z.gather(1, target[:, None]).squeeze(1), 0.0).sum()
+    loss = (1.0 - epsilon) * nll
+    if epsilon:
+        loss = loss + epsilon * torch.where(keep, lse - z.mean(-1), 0.0).sum()
+    return loss, nll.detach()
+
+
+@functools.cache
+def compiled_nll_terms() -> Callable[..., tuple[Tensor, Tensor]]:
+    """:func:`smoothed_nll_terms` under ``torch.compile`` (dynamic shapes), compiled on first use."""
+    return compile_dynamic(smoothed_nll_terms)
+
+
+def label_smoothed_nll(logits: Tensor, target: Tensor, epsilon: float, *,
+                       compiled: bool = False) -> tuple[Tensor, Tensor]:
     """logits (B,T,V), target (B,T) → (smoothed loss sum, NLL sum) over non-PAD positions.
 
     ``loss = Σ_t (1−ε)·nll_t + ε·smooth_t`` with ``nll_t = −log p(y_t)``, ``smooth_t = −(1/V) Σ_v log p(v)``
     (the same as ``cross_entropy(label_smoothing=ε, reduction="sum")``); the NLL sum comes back detached.
+    ``compiled``: through ``torch.compile`` of :func:`smoothed_nll_terms` (``train.compile``).
     """
-    return SmoothedCrossEntropy.apply(logits.reshape(-1, logits.size(-1)), target.reshape(-1), float(epsilon))
+    flat, target = logits.reshape(-1, logits.size(-1)), target.reshape(-1)
+    if compiled:
+        return compiled_nll_terms()(flat, target, float(epsilon))
+    return SmoothedCrossEntropy.apply(flat, target, float(epsilon))

@@ -36,6 +36,7 @@ from nmtflow.data.tokenizer import Tokenizer, same_model
 from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters, position_limits
+from nmtflow.nn.compiled import compile_regions, compiler_missing
 from nmtflow.runtime import autocast, keep_freed_memory, use_precision, warn_if_bf16_emulated
 from nmtflow.train import distributed, finetune
 from nmtflow.train.loss import label_smoothed_nll
@@ -124,6 +125,8 @@ class Trainer:
 
         self.setup_data()
         self.model: EncoderDecoder = self.create_model().to(self.device)
+        if tc.compile:
+            self.compile_model()
         if self.init_source is not None:
             finetune.initialise(self.model, self.init_source, tc.init_from, config, self.tokenizer_models())
             self.init_source = None
@@ -220,6 +223,18 @@ class Trainer:
     def create_model(self) -> EncoderDecoder:
         """The model to train; its trainable parameters (``requires_grad``) go to the optimiser."""
         return build_model(self.config.model, self.vocabs)
+
+    def compile_model(self) -> None:
+        """``train.compile``: the model's repeated layers and the loss run through ``torch.compile`` in training."""
+        if (why := compiler_missing(self.device)) is not None:
+            raise ConfigError(f"train.compile: {why}; set train.compile: false")
+        regions = compile_regions(self.model)
+        if regions:
+            log.info("train.compile: compiling %s and the loss (the first batches of each new shape class take "
+                     "longer)", ", ".join(regions))
+        else:
+            log.warning("train.compile: %s has no compiled layers; only the loss is compiled",
+                        type(self.model).__name__)
 
     def model_for(self, batch: Batch) -> EncoderDecoder:
         """The model that runs ``batch`` (the multilingual trainer picks the batch's direction)."""
@@ -419,9 +434,9 @@ class Trainer:
             with nullcontext() if sync else self.ddp.no_sync():
                 with self.autocast():
                     if self.ddp is not None:
-                        loss, nll, aux = self.ddp(model, b, tc.label_smoothing)
+                        loss, nll, aux = self.ddp(model, b, tc.label_smoothing, tc.compile)
                     else:
-                        loss, nll, aux = _batch_loss(model, b, tc.label_smoothing)
+                        loss, nll, aux = _batch_loss(model, b, tc.label_smoothing, tc.compile)
                 # an auxiliary term is on the scale of the summed cross-entropy and normalised with it (SPEC §5)
                 objective = loss if aux is None else loss + aux
                 total = objective * world / tokens if world > 1 else objective / tokens  # DDP averages over ranks
@@ -640,15 +655,17 @@ class _StepModule(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, view: EncoderDecoder, batch: Batch, epsilon: float) -> tuple[torch.Tensor, ...]:
-        return _batch_loss(view, batch, epsilon)
+    def forward(self, view: EncoderDecoder, batch: Batch, epsilon: float,
+                compiled: bool = False) -> tuple[torch.Tensor, ...]:
+        return _batch_loss(view, batch, epsilon, compiled)
 
 
-def _batch_loss(model: EncoderDecoder, b: Batch, epsilon: float) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """(label-smoothed loss sum, NLL sum, auxiliary loss or None) of one batch."""
+def _batch_loss(model: EncoderDecoder, b: Batch, epsilon: float,
+                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(label-smoothed loss sum, NLL sum, auxiliary loss or None) of one batch; ``compiled``: the compiled loss."""
     enc = model.encode(b.src)
     logits = model.decode(b.tgt_in, enc)
-    loss, nll = label_smoothed_nll(logits, b.tgt_out, epsilon)
+    loss, nll = label_smoothed_nll(logits, b.tgt_out, epsilon, compiled=compiled)
     return loss, nll, model.auxiliary_loss(enc, b.num_tgt_tokens)
 
 
@@ -690,7 +707,7 @@ RESUMABLE_CHANGES = (
     "train.validate_every", "train.valid_bleu_max_sentences", "train.valid_bleu_tokenize", "train.valid_beam_size",
     "train.save_every", "train.keep_checkpoints", "train.log_every", "train.progress", "data.path",
     "data.multilingual.init_checkpoint", "train.init_from",  # (a resumed run takes its weights from its checkpoint)
-    "decode.")
+    "train.compile", "decode.")
 # saved reasons for a stop that a resume examines again (the budget or patience may have been raised)
 RECHECKED_STOPS = ("reached max_", "early stopping", "interrupted", "stopped after")
 
