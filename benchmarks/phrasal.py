@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="train every system with train.compile (its layers and the loss under torch.compile)")
     add_common_args(p, warmup=3, steps=30, rounds=3)
     args = p.parse_args(argv)
+    if args.compile and args.compare_with:
+        p.error("--compile and --compare-with: the old revision's phrasal attention does not compile like for like")
     if args.steps < 1 or args.decode_sentences < 1:
         p.error("--steps and --decode-sentences must be >= 1")
     if not all(s.isdigit() and "0" not in s and list(s) == sorted(set(s)) for s in args.ngrams):

@@ -15,7 +15,6 @@ from importlib.util import find_spec
 from typing import Any, Callable
 
 import torch
-import torch.fx.experimental._config
 from torch import nn
 
 _GRAPHS: dict[type, Callable[..., Any]] = {}  # one compiled ``run`` per region class
@@ -48,7 +47,9 @@ def compile_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compile(fn, dynamic=True)`` without duck sizing, which would tie sizes that happen to be equal in the
     first batch (e.g. its sentences and its source length) and compile again for each later batch that breaks a tie.
     (Duck sizing is switched off for the whole process: a config of the compiler, not of one function.)"""
-    torch.fx.experimental._config.use_duck_shape = False
+    import torch.fx.experimental._config as shape_config  # (a private module: imported only when compiling)
+
+    shape_config.use_duck_shape = False
     return torch.compile(fn, dynamic=True)
 
 

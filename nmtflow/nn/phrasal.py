@@ -163,7 +163,7 @@ def phrase_sums(x: Tensor, pos_dim: int, slot_dim: int, ngrams: tuple[int, ...],
     for n, offset, empty in _windows_per_n.__wrapped__(ngrams, first, count):  # (the cache is opaque to it)
         shape = list(x.shape)
         shape[pos_dim], shape[slot_dim] = empty, 1
-        parts = [x.new_zeros(shape)] if empty else []
+        parts = [x.new_zeros(shape)] if empty or not count else []
         if empty < count:
             parts.append(sum(x.narrow(slot_dim, offset + t, 1).narrow(pos_dim, first + empty - n + 1 + t,
                                                                       count - empty) for t in range(n)))

@@ -148,9 +148,13 @@ class ShortcutAttention(MultiHeadAttention):
         if self.options.feature_fusion:  # one GEMM: rows [K_sc; K; V_sc; V] of W [E ; H] (Eq. 13-14)
             y = self.kv_fusion(torch.cat([e, source], dim=-1)).view(b * s, 2, 2, d)  # [k|v] × [shortcut|hidden]
             shortcut, hidden = y[:, :, 0], y[:, :, 1]
-            kv = FusedGate.apply(y, bias.to(y.dtype))  # K', V' (N,D) each
         else:  # Eq. 5-8: [K_sc; V_sc] = W_sc E, [K; V] = W H
             shortcut, hidden = self.project_shortcut(e, ctx), self.kv_proj(source).view(b * s, 2, d)
+        if torch.compiler.is_compiling():  # in a compiled layer (train.compile): operations the compiler fuses
+            kv = plain_gate(shortcut, hidden, bias)
+        elif self.options.feature_fusion:
+            kv = FusedGate.apply(y, bias.to(y.dtype))  # K', V' (N,D) each
+        else:
             kv = PairGate.apply(shortcut, hidden, bias.to(hidden.dtype))
         if self.record_gates or ctx.need_weights:
             with torch.no_grad():
@@ -165,7 +169,7 @@ class ShortcutAttention(MultiHeadAttention):
         all its stack's layers in one GEMM, once per forward pass, and takes its own slice.
         """
         b, s, d = e.shape
-        if not self.stack:  # not linked to a stack
+        if not self.stack or torch.compiler.is_compiling():  # unlinked, or one compiled graph for every layer
             return self.kv_shortcut(e).view(b * s, 2, d)
         key = f"shortcut:{self.stack[0].name}"
         if key not in ctx.shared:
@@ -339,6 +343,14 @@ class FusedGate(torch.autograd.Function):
         if ctx.cuda:
             return _cuda_fused_backward(dk, dv, *ctx.saved_tensors)
         return _gate_backward((dk, dv), *ctx.saved_tensors)
+
+
+def plain_gate(shortcut: Tensor, hidden: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
+    """K', V' (N,D) = X + r ⊙ (X_sc − X), r = σ(X_sc + X + b) (Eq. 5–12) from X_sc, X (N,2,D), in float32 and stored
+    in X's dtype: what :class:`PairGate` and :class:`FusedGate` compute, as operations autograd differentiates."""
+    sc, h = shortcut.float(), hidden.float()
+    r = torch.sigmoid(sc + h + bias.float())
+    return (h + r * (sc - h)).to(hidden.dtype).unbind(1)
 
 
 class PairGate(torch.autograd.Function):

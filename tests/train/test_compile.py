@@ -107,13 +107,18 @@ def test_compiled_layers_compute_the_eager_outputs_and_gradients_with_one_graph_
     assert unique_graphs() - before == 2
 
 
-@pytest.mark.parametrize("slot", [{"type": "phrasal", "ngrams": [1, 2]}, {"type": "shortcut"}],
-                         ids=["phrasal", "shortcuts"])
+@pytest.mark.parametrize("slot", [{"type": "phrasal", "ngrams": [1, 2]}, {"type": "phrasal", "ngrams": [2, 3]},
+                                  {"type": "shortcut"}, {"type": "shortcut", "feature_fusion": True}],
+                         ids=["phrasal-12", "phrasal-23", "shortcuts", "feature-fusion"])
 def test_attention_variants_compute_the_eager_outputs_and_gradients_compiled(slot: dict) -> None:
+    """Phrasal {2,3} has causal queries that see no phrase at all (the first position): its dead-query path."""
+    torch._dynamo.reset()
     eager = small_model(slot=slot)
     ours = copy.deepcopy(eager)
     compile_regions(ours)
+    before = unique_graphs()
     assert_same_training_pass(eager, ours, *padded_batch(50, tgt_len=8))
+    assert unique_graphs() > before
 
 
 def test_validation_and_decoding_stay_eager_and_unchanged() -> None:
@@ -134,6 +139,8 @@ def test_validation_and_decoding_stay_eager_and_unchanged() -> None:
 
 def test_training_with_compile_follows_the_eager_losses(copy_data: Path, tmp_path: Path) -> None:
     losses = {}
+    torch._dynamo.reset()
+    before = unique_graphs()
     for compiled in (False, True):
         cfg = tiny_config(copy_data, tmp_path / str(compiled), compile=compiled, max_updates=6, validate_every=0,
                           save_every=0)
@@ -141,18 +148,21 @@ def test_training_with_compile_follows_the_eager_losses(copy_data: Path, tmp_pat
         trainer = Trainer(cfg)
         trainer.train()
         losses[compiled] = [e["loss"] for e in read_train_log(trainer.save_dir)]
-    assert len(losses[True]) == 6
+    assert len(losses[True]) == 6 and unique_graphs() > before
     assert losses[True] == pytest.approx(losses[False], rel=2e-3)
 
 
 def test_a_compiled_run_with_dropout_resumes_exactly(copy_data: Path, tmp_path: Path) -> None:
     """The compiled graphs draw their dropout masks from torch's generator, which checkpoints keep."""
+    torch._dynamo.reset()
+    before = unique_graphs()
     full = tmp_path / "full"
     Trainer(tiny_config(copy_data, full, compile=True, max_updates=8, validate_every=0, valid_bleu=False)).train()
     cut = tmp_path / "cut"
     Trainer(tiny_config(copy_data, cut, compile=True, max_updates=3, validate_every=0, valid_bleu=False)).train()
     Trainer(tiny_config(copy_data, cut, compile=True, max_updates=8, validate_every=0, valid_bleu=False)).train()
     assert [e["loss"] for e in read_train_log(cut)] == [e["loss"] for e in read_train_log(full)]
+    assert unique_graphs() > before
 
 
 def read_train_log(save_dir: Path) -> list[dict]:
@@ -165,4 +175,4 @@ def test_compile_without_a_compiler_is_a_clear_config_error(copy_data: Path, tmp
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled_mod.shutil, "which", lambda name: None)
     with pytest.raises(ConfigError, match="train.compile: torch.compile needs a C\\+\\+ compiler"):
-        Trainer(tiny_config(copy_data, tmp_path, compile=True))
+        Trainer(tiny_config(copy_data, tmp_path, compile=True, device="cpu"))
