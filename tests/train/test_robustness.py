@@ -129,9 +129,9 @@ def test_a_nan_batch_is_skipped_and_too_many_stop_training(copy_data: Path, tmp_
     real = trainer_module.label_smoothed_nll
     calls = {"n": 0, "bad": {3}}
 
-    def flaky(logits, target, eps):
+    def flaky(logits, target, eps, **options):
         calls["n"] += 1
-        loss, nll = real(logits, target, eps)
+        loss, nll = real(logits, target, eps, **options)
         return (loss * float("nan"), nll) if calls["n"] in calls["bad"] else (loss, nll)
 
     monkeypatch.setattr(trainer_module, "label_smoothed_nll", flaky)
