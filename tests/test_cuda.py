@@ -20,6 +20,7 @@ from nmtflow.nn.shortcuts import FusedGate, PairGate
 from nmtflow.train.trainer import Trainer, read_log
 
 from tests.conftest import copy_sentences, padded_batch, tiny_config
+from tests.train.test_compile import assert_same_training_pass
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -114,14 +115,8 @@ def test_compiled_layers_on_cuda_match_eager(name: str) -> None:
     ours = make(MODELS[name]).cuda().train()
     compile_regions(ours)
     src, tgt = (x.cuda() for x in padded_batch(V))
-    grads = []
-    for model in (eager, ours):
-        out = model(src, tgt)
-        out.float().square().mean().backward()
-        grads.append((out, {n: p.grad for n, p in model.named_parameters()}))
-    torch.testing.assert_close(grads[1][0], grads[0][0], atol=2e-4, rtol=2e-4)
-    for key, grad in grads[0][1].items():
-        torch.testing.assert_close(grads[1][1][key], grad, atol=2e-4, rtol=2e-3, msg=key)
+    assert_same_training_pass(eager, ours, src, tgt, out_rtol=2e-4, out_atol=2e-4,
+                              grad_rtol=2e-3, grad_atol=2e-4)
 
 
 def test_training_on_cuda_with_compile(copy_data: Path, tmp_path: Path) -> None:
