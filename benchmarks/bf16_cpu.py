@@ -8,9 +8,10 @@ One model (``throughput.py``'s small 3+3-layer Transformer by default) is copied
 precision, and trained on the same batches in alternating blocks (``throughput.py``'s ``timed_training``):
 ``fp32``; ``bf16`` (``train.precision: bf16``, autocast, as nmtflow trains); with ``--old-attention`` also
 ``bf16_sdpa_in_bf16``, the same with attention left to PyTorch's bf16 CPU kernel (nmtflow before it computed CPU
-attention in fp32 under bf16). Then both main systems train ``--loss-updates`` more updates on the same batches and
-their validation loss (in fp32, on the first ``--valid-sentences`` pairs) is compared (``--decode-only`` skips
-training). Last, a model translates the first ``--decode-sentences`` validation sentences with beam search,
+attention in fp32 under bf16); with ``--torch-dropout`` also ``fp32_torch_dropout`` and ``bf16_torch_dropout``,
+with PyTorch's dropout masks instead of nmtflow's (:mod:`nmtflow.nn.dropout`). Then both main systems train
+``--loss-updates`` more updates on the same batches and their validation loss (in fp32, on the first
+``--valid-sentences`` pairs) is compared (``--decode-only`` skips training). Last, a model translates the first ``--decode-sentences`` validation sentences with beam search,
 alternating batch by batch between the decoding systems: ``fp32``; ``bf16`` (``decode.precision: bf16``: a bf16 copy
 of the weights, the output layer in fp32, :mod:`nmtflow.decode.precision`); ``bf16_logits_in_bf16`` (the same copy
 with the output layer in bf16 too); ``bf16_autocast`` (fp32 weights under bf16 autocast). Reported: sentences/s,
@@ -43,6 +44,7 @@ from nmtflow.decode.precision import model_in_precision
 from nmtflow.decode.search import beam_search
 from nmtflow.decode.translate import Translator, batches_by_length
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters
+from nmtflow.nn.dropout import torch_dropout
 from nmtflow.runtime import autocast, cpu_info, machine_info
 from nmtflow.train.loss import label_smoothed_nll
 from throughput import Optimiser, add_common_args, default_work, prepared_data, training_batches, write_json
@@ -64,6 +66,14 @@ def attention_in_bf16() -> Iterator[None]:
 class OldAttention(Optimiser):
     def step(self, b: Batch) -> float:
         with attention_in_bf16():
+            return super().step(b)
+
+
+class TorchDropout(Optimiser):
+    """Dropout masks from PyTorch's per-element Bernoulli draws (``F.dropout``), as before nmtflow's own CPU masks."""
+
+    def step(self, b: Batch) -> float:
+        with torch_dropout():
             return super().step(b)
 
 
@@ -127,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--preset", default="small", choices=["small", "base"])
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--old-attention", action="store_true", help="also time bf16 with attention in PyTorch's bf16 kernel")
+    p.add_argument("--torch-dropout", action="store_true",
+                   help="also time fp32 and bf16 with PyTorch's dropout masks (F.dropout) instead of nmtflow's")
     p.add_argument("--loss-updates", type=int, default=150, help="updates of both systems before the loss check")
     p.add_argument("--lr-warmup", type=int, default=100)
     p.add_argument("--valid-sentences", type=int, default=500)
@@ -214,6 +226,9 @@ def timed_training(args: argparse.Namespace, model: EncoderDecoder, config: Call
                                      "bf16": Optimiser(copy.deepcopy(model), config("bf16").train)}
     if args.old_attention:
         systems["bf16_sdpa_in_bf16"] = OldAttention(copy.deepcopy(model), config("bf16").train)
+    if args.torch_dropout:
+        for precision in ("fp32", "bf16"):
+            systems[f"{precision}_torch_dropout"] = TorchDropout(copy.deepcopy(model), config(precision).train)
     compile_seconds = {}
     if args.compile:  # every shape class these batches need is compiled (on a throwaway copy) before any is timed
         for precision in ("fp32", "bf16"):

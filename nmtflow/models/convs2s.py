@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtflow.config import ConfigError
@@ -42,6 +41,7 @@ from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
 from nmtflow.nn.conv import GLUConv, linear
 from nmtflow.nn.conv_attention import SQRT_HALF, DenseAttention, MultiStepAttention
+from nmtflow.nn.dropout import dropout
 from nmtflow.registry import register_model
 
 ATTENTIONS = ("multistep", "dense1", "dense2")
@@ -166,7 +166,7 @@ class ConvEmbedder(nn.Module):
         x = self.tokens(tokens)
         if self.up is not None:
             x = self.up(x)
-        return F.dropout(x + self.positions(idx), self.dropout, self.training)
+        return dropout(x + self.positions(idx), self.dropout, self.training)
 
 
 # ---- stacks ----------------------------------------------------------------------------------------
@@ -340,7 +340,7 @@ class ConvDecoder(nn.Module):
             return self.attentions[i](z, g, enc, state)
 
         x = self.stack(g, state=state, attend=attend, layer_outputs=layer_outputs)
-        x = F.dropout(self.out_proj(x), self.dropout, self.training)  # (B,T,out_dim)
+        x = dropout(self.out_proj(x), self.dropout, self.training)  # (B,T,out_dim)
         return self.output(x)
 
 

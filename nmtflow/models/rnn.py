@@ -35,6 +35,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 from nmtflow.config import ConfigError
 from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
+from nmtflow.nn.dropout import dropout
 from nmtflow.nn.layers import masked_softmax, output_logits, token_embedding
 from nmtflow.registry import register_model
 
@@ -116,7 +117,7 @@ class BiLSTMEncoder(nn.Module):
     def forward(self, src: Tensor) -> EncoderOut:
         padding_mask = src.eq(PAD)  # (B,S), right padding
         lengths = (~padding_mask).sum(1).clamp(min=1)
-        x = F.dropout(self.embedding(src), self.dropout, self.training)  # (B,S,E)
+        x = dropout(self.embedding(src), self.dropout, self.training)  # (B,S,E)
         own = self.own_steps
         if own is None:
             own = x.device.type == "cpu" and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
@@ -127,7 +128,7 @@ class BiLSTMEncoder(nn.Module):
             out, _ = run_lstm(self.lstm, packed)
             h, _ = pad_packed_sequence(out, batch_first=True, total_length=src.size(1))  # (B,S,d_h), 0 at pads
         if self.output_dropout:
-            h = F.dropout(h, self.dropout, self.training)
+            h = dropout(h, self.dropout, self.training)
         return {"out": h, "padding_mask": padding_mask}
 
     def run_steps(self, x: Tensor, lengths: Tensor, padding_mask: Tensor) -> Tensor:
@@ -148,7 +149,7 @@ class BiLSTMEncoder(nn.Module):
         out = x
         for k in range(lstm.num_layers):
             if k:
-                out = F.dropout(out, lstm.dropout, self.training)
+                out = dropout(out, lstm.dropout, self.training)
             def both(name: str) -> list[Tensor]:  # layer k's parameter of both directions, forward first
                 return [getattr(lstm, f"{name}_l{k}{suffix}") for suffix in ("", "_reverse")]
 
@@ -347,7 +348,7 @@ class LuongDecoder(nn.Module):
             gates = x_gates[t] + step_linear(inp, recurrent[0], tapes[0])
             for k in range(self.layers):
                 if k:
-                    below = F.dropout(hs[k - 1], inter_dropout, True) if inter_dropout else hs[k - 1]
+                    below = dropout(hs[k - 1], inter_dropout, True) if inter_dropout else hs[k - 1]
                     gates = step_linear(torch.cat([below, hs[k]], dim=-1), recurrent[k], tapes[k]) + biases[k]
                 hs[k], cs[k] = lstm_cell(gates, cs[k])
             if feed is not None:
@@ -376,7 +377,7 @@ class LuongDecoder(nn.Module):
         else:
             hc = self.initial_state(memory, memory_mask)
             feed = memory.new_zeros(b, self.hidden_dim)
-        x = F.dropout(self.embedding(tgt_in), self.dropout, self.training)  # (B,T,E)
+        x = dropout(self.embedding(tgt_in), self.dropout, self.training)  # (B,T,E)
         own = self.own_steps if self.own_steps is not None else (x.device.type == "cpu" and torch.is_grad_enabled())
         if own and (self.input_feeding or tgt_in.size(1) == 1):  # step by step, or an incremental decoding step
             out, hc, feed = self.run_steps(x, hc, feed if self.input_feeding else None, memory, memory_mask)
@@ -390,7 +391,7 @@ class LuongDecoder(nn.Module):
             state[keys[0]], state[keys[1]] = hc[0].transpose(0, 1), hc[1].transpose(0, 1)  # (B,layers,d_h)
             if self.input_feeding:
                 state[keys[2]] = feed
-        return output_logits(F.dropout(h_tilde, self.dropout, self.training), self.output_weight)  # (B,T,V)
+        return output_logits(dropout(h_tilde, self.dropout, self.training), self.output_weight)  # (B,T,V)
 
 
 def lstm_cell(gates: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:

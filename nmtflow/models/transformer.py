@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtflow.config import ConfigError
@@ -18,6 +17,7 @@ from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
 from nmtflow.nn.attention import AttentionConfig, AttentionContext, build_attention, link_stack
 from nmtflow.nn.compiled import CompiledRegion
+from nmtflow.nn.dropout import dropout
 from nmtflow.nn.layers import FeedForward, SinusoidalPositions, output_logits, token_embedding
 from nmtflow.registry import register_model
 
@@ -96,7 +96,7 @@ class Residual(nn.Module):
         return self.norm(x) if self.pre_norm else x
 
     def outer(self, x: Tensor, y: Tensor) -> Tensor:
-        out = x + F.dropout(y, self.dropout, self.training)
+        out = x + dropout(y, self.dropout, self.training)
         return out if self.pre_norm else self.norm(out)
 
 
@@ -166,7 +166,7 @@ class Embedder(nn.Module):
 
     def forward(self, tokens: Tensor, offset: Tensor | int = 0) -> Tensor:
         x = self.embedding(tokens) * self.scale + self.positions(tokens.size(1), offset)
-        return F.dropout(x, self.dropout, self.training)
+        return dropout(x, self.dropout, self.training)
 
 
 class TransformerEncoder(nn.Module):

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtflow.config import ConfigError
+from nmtflow.nn.dropout import dropout
 from nmtflow.nn.layers import masked_softmax
 from nmtflow.registry import ATTENTIONS, register_attention
 
@@ -209,7 +210,7 @@ class MultiHeadAttention(nn.Module):
         mask = causal_mask(mask, q.size(2), k.size(2), q.device) if causal else mask
         # a query that may attend to nothing (an all-padding source) gets zero weights and context, as in SDPA
         weights = scores.softmax(-1) if mask is None else masked_softmax(scores, ~mask)
-        return F.dropout(weights, p) @ v, weights
+        return dropout(weights, p) @ v, weights
 
     # ---- the interface -----------------------------------------------------------------------------
     def forward(self, query: Tensor, source: Tensor, *, key_padding_mask: Tensor | None = None,

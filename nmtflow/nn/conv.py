@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import weight_norm as _weight_norm
 
+from nmtflow.nn.dropout import dropout
 State = dict[str, Tensor]
 
 
@@ -64,7 +65,7 @@ class GLUConv(nn.Module):
 
     def forward(self, x: Tensor, *, padding_mask: Tensor | None = None, state: State | None = None) -> Tensor:
         """x (B,T,C_in), padding_mask (B,T) True = pad → (B,T,out_dim)."""
-        x = F.dropout(x, self.dropout, self.training)
+        x = dropout(x, self.dropout, self.training)
         if self.causal:
             x = self._with_history(x, state)  # (B, k−1+T, C_in)
         else:

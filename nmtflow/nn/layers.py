@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtflow.data.vocab import PAD
+from nmtflow.nn.dropout import dropout
 
 
 def masked_softmax(scores: Tensor, pad: Tensor, dim: int = -1) -> Tensor:
@@ -57,7 +58,7 @@ class FeedForward(nn.Module):
         nn.init.zeros_(self.fc2.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(F.dropout(self.activation(self.fc1(x)), self.dropout, self.training))
+        return self.fc2(dropout(self.activation(self.fc1(x)), self.dropout, self.training))
 
 
 def token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:

@@ -68,6 +68,7 @@ from torch import Tensor, nn
 from nmtflow.config import ConfigError
 from nmtflow.nn.attention import (AttentionConfig, AttentionContext, MultiHeadAttention, append_to_cache, merge_heads,
                                    split_heads)
+from nmtflow.nn.dropout import dropout
 from nmtflow.registry import register_attention
 
 
@@ -379,7 +380,7 @@ class PhrasalAttention(MultiHeadAttention):
         if dead is not None:
             weights = weights.masked_fill(dead, 0.0)
         p = self.dropout if self.training else 0.0
-        out = F.dropout(weights, p, self.training) @ v.reshape(b, h, s * kinds, dh)  # (B,H,T,Dh)
+        out = dropout(weights, p, self.training) @ v.reshape(b, h, s * kinds, dh)  # (B,H,T,Dh)
         if not ctx.need_weights:
             return out, None
         by_slot = weights.view(b, h, t, s, kinds)  # → per n the phrases by start j, in ngrams order

@@ -141,11 +141,14 @@ def test_ctranslate2_translates_as_nmtflow(variant: str, checkpoints: dict[str, 
     # its best candidate ends, which picks the same best but for such ties).
     ours_beam, theirs_beam, ids = _compare(translator, out, beam=4)
     differ = [n for n, (a, c) in enumerate(zip(ours_beam, theirs_beam)) if a != c]
-    assert len(differ) <= SENTENCES // 4, f"{len(differ)} of {SENTENCES} beam outputs differ"
+    at_limit = [n for n in differ if len(ours_beam[n]) == len(theirs_beam[n]) == MAX_LEN]
+    # (1) depends on how many outputs reach the limit (most, for a model this little trained): each is checked
+    # below; near-ties (2) must stay rare
+    assert len(differ) - len(at_limit) <= SENTENCES // 4, f"{len(differ)} of {SENTENCES} beam outputs differ"
     for n in differ:
         (ours_eos, ours_cut), (theirs_eos, theirs_cut) = (_logprobs(translator, ids[n], seq)
                                                           for seq in (ours_beam[n], theirs_beam[n]))
-        if len(ours_beam[n]) == len(theirs_beam[n]) == MAX_LEN:  # (1)
+        if n in at_limit:  # (1)
             assert ours_eos >= theirs_eos - 1e-3 and theirs_cut >= ours_cut - 1e-3
         else:  # (2)
             assert abs(ours_eos - theirs_eos) < 1e-3, (n, ours_beam[n], theirs_beam[n])
