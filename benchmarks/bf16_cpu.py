@@ -11,8 +11,9 @@ precision, and trained on the same batches in alternating blocks (``throughput.p
 attention in fp32 under bf16); with ``--torch-dropout`` also ``fp32_torch_dropout`` and ``bf16_torch_dropout``,
 with PyTorch's dropout masks instead of nmtflow's (:mod:`nmtflow.nn.dropout`). Then both main systems train
 ``--loss-updates`` more updates on the same batches and their validation loss (in fp32, on the first
-``--valid-sentences`` pairs) is compared (``--decode-only`` skips training). Last, a model translates the first ``--decode-sentences`` validation sentences with beam search,
-alternating batch by batch between the decoding systems: ``fp32``; ``bf16`` (``decode.precision: bf16``: a bf16 copy
+``--valid-sentences`` pairs) is compared (``--decode-only`` skips training). Last, a model translates the first
+``--decode-sentences`` validation sentences with beam search, alternating batch by batch between the decoding
+systems: ``fp32``; ``bf16`` (``decode.precision: bf16``: a bf16 copy
 of the weights, the output layer in fp32, :mod:`nmtflow.decode.precision`); ``bf16_logits_in_bf16`` (the same copy
 with the output layer in bf16 too); ``bf16_autocast`` (fp32 weights under bf16 autocast). Reported: sentences/s,
 the speed over fp32 in wall time and in this process's CPU time (less disturbed by other work on the machine) and

@@ -1,16 +1,16 @@
 """Inverted dropout (Srivastava et al. 2014): ``y = x · m / (1 − p)`` with ``m ~ Bernoulli(1 − p)`` per element.
 
 Every model calls :func:`dropout` instead of ``F.dropout``. On a GPU, or inside a ``torch.compile`` graph, it is
-``F.dropout``. On the CPU, PyTorch draws one Bernoulli number per element from its generator, which is serial: at
-two threads that was ~17% of a bf16 training step of the small Transformer (``benchmarks/bf16_cpu.py``) and did not
-get faster with more threads. Here the keep mask is cut from 64-bit draws instead, four 15-bit uniform integers per
-draw (one serial draw for four elements; the rest is parallel element-wise work), and only a one-byte mask is kept
-for the backward pass (``F.dropout`` on the CPU keeps a scaled noise tensor of ``x``'s dtype).
+``F.dropout``. On the CPU, PyTorch draws one Bernoulli number per element from its generator, a serial loop that
+more threads do not speed up (a tenth of a bf16 training step of the small Transformer, ``benchmarks/README.md``).
+Here the keep mask is cut from 64-bit draws instead, four 15-bit uniform integers per draw (one serial draw for
+four elements; the rest is parallel element-wise work), and only a one-byte mask is kept for the backward pass
+(``F.dropout`` on the CPU keeps a scaled noise tensor of ``x``'s dtype).
 
 The drop probability is thereby rounded to a multiple of 2⁻¹⁵ (0.1 → 3277/32768 = 0.100006), and the kept values
-are scaled by the inverse of the exact keep probability, so ``E[y] = x`` holds exactly. The draws come from
-PyTorch's default CPU generator, so seeding and exact resumption (its state is in every checkpoint) cover them as
-they cover ``F.dropout``.
+are scaled by the inverse of that exact keep probability, so ``E[y] = x`` (up to rounding in ``x``'s dtype). The
+draws come from PyTorch's default CPU generator, so seeding and exact resumption (its state is in every
+checkpoint) cover them as they cover ``F.dropout``.
 """
 from __future__ import annotations
 
