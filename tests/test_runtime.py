@@ -41,6 +41,33 @@ def test_held_heap_grows_without_page_faults() -> None:
     assert faults("r.hold_heap(0)", NMTFLOW_SYSTEM_MALLOC="1")[0] == "False"  # opted out: malloc left alone
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim is Linux-only")
+def test_freed_memory_is_returned_on_release() -> None:
+    code = ("from nmtflow import runtime as r; import torch; "
+            "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096 >> 20; "
+            "ok = r.keep_freed_memory(); big = torch.ones(256 << 20, dtype=torch.uint8); "
+            "small = torch.ones(1 << 20, dtype=torch.uint8); del big; "  # the freed block below a live one
+            "kept = rss(); released = r.release_freed_memory(); print(ok, released, kept, rss())")
+    ok, released, kept, after = run(code, NMTFLOW_SYSTEM_MALLOC="0").split()
+    assert ok == released == "True" and int(kept) - int(after) >= 200, (kept, after)
+    off = run(code, NMTFLOW_SYSTEM_MALLOC="1").split()
+    assert off[:2] == ["False", "False"]  # malloc left alone: nothing kept, nothing to release
+
+
+def test_training_releases_freed_memory_after_each_validation(copy_data, tmp_path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from nmtflow.train import trainer as trainer_module
+    from tests.conftest import tiny_config
+
+    calls: list[int] = []
+    config = tiny_config(copy_data, tmp_path / "run", max_updates=6, validate_every=2, save_every=0,
+                         valid_bleu=False)
+    t = trainer_module.Trainer(config)
+    monkeypatch.setattr(trainer_module, "release_freed_memory", lambda: calls.append(t.progress.update) or True)
+    t.train()
+    assert calls == [2, 4, 6]
+
+
 def test_result_is_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "_applied", None)
     monkeypatch.setenv(runtime.OPT_OUT, "1")

@@ -37,7 +37,7 @@ from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters, position_limits
 from nmtflow.nn.compiled import compile_regions, compiler_missing
-from nmtflow.runtime import autocast, keep_freed_memory, use_precision, warn_if_bf16_emulated
+from nmtflow.runtime import autocast, keep_freed_memory, release_freed_memory, use_precision, warn_if_bf16_emulated
 from nmtflow.train import distributed, finetune
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
@@ -546,10 +546,14 @@ class Trainer:
                 due_valid = bool(tc.validate_every and p.update % tc.validate_every == 0 and not skipped)
                 is_best = False
                 paused = time.perf_counter()  # validation and saving are not training speed
-                if self.valid_data is not None and (due_valid or (p.stopped and not p.stopped.startswith("interrupted"))):
+                validated = self.valid_data is not None and (
+                    due_valid or bool(p.stopped and not p.stopped.startswith("interrupted")))
+                if validated:
                     is_best = self.validate(scheduled=due_valid)
                 if is_best or p.stopped or (not skipped and tc.save_every and p.update % tc.save_every == 0):
                     self.save(best=is_best)
+                if validated:
+                    release_freed_memory()  # what validation's decoding left in the heap, which steps never reuse
                 window_start += time.perf_counter() - paused
         bar.close()
         if self.writer:
