@@ -134,19 +134,21 @@ def release_freed_memory() -> bool:
     validation; the next step then faults in what it needs again, once. Nothing happens where
     :func:`keep_freed_memory` is not in effect.
     """
-    if not _applied:
-        return False
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return False
-    return bool(trim(0))
+    trim = _libc_function("malloc_trim") if _applied else None
+    return trim is not None and bool(trim(0))
 
 
 def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's ``mallopt``, or None where the C library has none."""
+    return _libc_function("mallopt")
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_function(name: str) -> Any:
+    """The C library's function ``name``, or None where it has none (looked up once: ``find_library`` runs a
+    subprocess)."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
 
