@@ -157,8 +157,10 @@ def use_precision(precision: str) -> None:
     """Process-wide part of ``train.precision``: ``tf32`` lets CUDA float32 matmuls run on TF32 tensor cores.
 
     Weights, activations and gradients stay float32; only the matmul inner products round their inputs to
-    TF32's 10-bit mantissa (Ampere and later; several times the float32 matmul speed). Other precisions
-    leave the global setting as it is.
+    TF32's 10-bit mantissa (Ampere and later; several times the float32 matmul speed). ``fp32`` sets IEEE
+    float32 matmuls back, so that a float32 training after a tf32 one in the same process (the Python API, a
+    benchmark alternating systems) is float32 again; bf16/fp16 leave the setting as it is (autocast runs their
+    matmuls in the low precision).
 
     bf16/fp16 also turn off cuDNN's attention backend of ``scaled_dot_product_attention`` (the only one that
     takes no float32): it builds an execution plan for every new input shape, and token-based batches change
@@ -166,8 +168,8 @@ def use_precision(precision: str) -> None:
     to meet each shape, took 38.6 s for 100 batches that the systems after it trained in 7.1–7.6 s
     (``benchmarks/README.md``). Flash and memory-efficient attention need no plans.
     """
-    if precision == "tf32":
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    if precision in ("tf32", "fp32"):
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if precision == "tf32" else "ieee"
     if precision in AUTOCAST_DTYPES:
         torch.backends.cuda.enable_cudnn_sdp(False)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sacrebleu
 import torch
 
 from nmtflow.checkpoint import load_checkpoint
@@ -23,6 +24,15 @@ from tests.conftest import copy_sentences, padded_batch, tiny_config
 from tests.train.test_compile import assert_same_training_pass
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def restore_gpu_settings() -> Any:
+    """``train.precision`` sets process-wide flags (TF32 matmuls, cuDNN attention): each test starts from the same."""
+    matmul, cudnn_sdp = torch.backends.cuda.matmul.fp32_precision, torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.matmul.fp32_precision = matmul
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_sdp)
 
 V = 40
 TRANSFORMER = {"name": "transformer", "d_model": 32, "ffn_dim": 64, "heads": 4, "encoder_layers": 2,
@@ -103,7 +113,9 @@ def test_training_on_cuda_in_each_precision(copy_data: Path, tmp_path: Path, pre
     translator = Translator.from_checkpoint(tmp_path / precision / "checkpoint_last.pt", torch.device("cuda"))
     sources = copy_sentences(20, seed=99)
     hyps = [nb[0][0] for nb in translator.translate(sources)]
-    assert sum(h == s for h, s in zip(hyps, sources)) >= 10, hyps[:3]
+    # BLEU, not exact copies: 600 updates leave 8-12 of 20 lines exact (8 seen in fp32 on an H100, 11-12 on
+    # the CPU, where BLEU was 80-82); an untrained model scores about 0
+    assert sacrebleu.corpus_bleu(hyps, [sources]).score >= 50, hyps[:3]
 
 
 @pytest.mark.parametrize("name", ["transformer", "shortcuts", "feature-fusion", "phrasal-123"])

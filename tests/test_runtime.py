@@ -78,8 +78,9 @@ def test_result_is_cached(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_tf32_is_a_process_setting_and_autocast_follows_the_precision() -> None:
     code = ("import torch; from nmtflow.runtime import use_precision as u; m = torch.backends.cuda.matmul; "
-            "a = m.fp32_precision; u('fp32'); b = m.fp32_precision; u('tf32'); print(a == b, m.fp32_precision)")
-    assert run(code) == "True tf32"  # fp32 leaves the default; a subprocess, since the setting is process-wide
+            "u('tf32'); a = m.fp32_precision; u('bf16'); b = m.fp32_precision; u('fp32'); print(a, b, m.fp32_precision)")
+    # a subprocess, since the setting is process-wide: bf16 leaves it, fp32 after tf32 is IEEE float32 again
+    assert run(code) == "tf32 tf32 ieee"
     cpu = torch.device("cpu")
     for precision in ("fp32", "tf32"):
         with runtime.autocast(precision, cpu):
