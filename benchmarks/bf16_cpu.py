@@ -18,8 +18,10 @@ of the weights, the output layer in fp32, :mod:`nmtflow.decode.precision`); ``bf
 with the output layer in bf16 too); ``bf16_autocast`` (fp32 weights under bf16 autocast). Reported: sentences/s,
 the speed over fp32 in wall time and in this process's CPU time (less disturbed by other work on the machine) and
 the share of outputs identical to fp32's. The model is the fp32-trained one of the training part, or, with
-``--decode-checkpoint``, a trained checkpoint (its sources: ``DATA/val.SRC`` through its own tokenizer). The
-machine's load average is recorded before and after (the timings need an idle CPU).
+``--decode-checkpoint``, a trained checkpoint (its sources: ``DATA/val.SRC`` through its own tokenizer); with it,
+``--decode-workers N`` also times ``Translator.translate_ids`` in fp32 and bf16 in this process and in N worker
+processes (``decode.workers``), whole-set rounds alternating. The machine's load average is recorded before and
+after (the timings need an idle CPU).
 
 On a CPU without native bf16 (neither AMX nor AVX-512 BF16) bf16 is emulated and many times slower: the script
 then records the machine and skips, unless ``--force``.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -38,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 import nmtflow.nn.attention as attention
-from nmtflow.config import load_config
+from nmtflow.config import DecodeConfig, load_config
 from nmtflow.data.batching import Batch, TokenBatchSampler, collate
 from nmtflow.data.bitext import open_bitext
 from nmtflow.decode.precision import model_in_precision
@@ -148,6 +151,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--decode-checkpoint", type=Path, help="decode with this trained checkpoint (not the benchmark's "
                    "model); its sources: DATA/val.SRC through its tokenizer")
     p.add_argument("--decode-only", action="store_true", help="skip training: time decoding only")
+    p.add_argument("--decode-workers", type=int, default=1,
+                   help="with --decode-checkpoint: also time fp32 and bf16 decoding in N worker processes "
+                        "(decode.workers) against one process")
+    p.add_argument("--decode-rounds", type=int, default=3, help="rounds of --decode-workers' timing")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--force", action="store_true", help="run even where the CPU has no native bf16")
     p.add_argument("--compile", action="store_true",
@@ -201,15 +208,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def decode_checkpoint(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """``timed_decoding`` of ``--decode-checkpoint`` on the first ``--decode-sentences`` lines of DATA/val.SRC."""
+    """``timed_decoding`` of ``--decode-checkpoint`` on the first ``--decode-sentences`` lines of DATA/val.SRC, and
+    with ``--decode-workers N`` also :func:`timed_worker_decoding`."""
     translator = Translator.from_checkpoint(args.decode_checkpoint, device)
     lines = (args.data / f"val.{args.src}").read_text(encoding="utf-8").splitlines()[:args.decode_sentences]
     sources = translator.encode_source(lines)
-    return {"decode": timed_decoding(translator.model, sources, args, device),
-            "decode_config": {"checkpoint": args.decode_checkpoint.name,
-                              "model": translator.config.model.name if translator.config else "?",
-                              "parameters": count_parameters(translator.model), "decode_sentences": len(sources),
-                              "beam": args.beam}}
+    result = {"decode": timed_decoding(translator.model, sources, args, device),
+              "decode_config": {"checkpoint": args.decode_checkpoint.name,
+                                "model": translator.config.model.name if translator.config else "?",
+                                "parameters": count_parameters(translator.model), "decode_sentences": len(sources),
+                                "beam": args.beam}}
+    if args.decode_workers > 1:
+        result["decode_workers"] = timed_worker_decoding(translator, sources, args)
+    return result
+
+
+def timed_worker_decoding(translator: Translator, sources: list[list[int]], args: argparse.Namespace) -> dict:
+    """``Translator.translate_ids`` over ``sources`` (beam ``--beam``, batches of ``--decode-max-tokens``), fp32 and
+    bf16 (``decode.precision``), each in this process (``--threads`` threads) and in ``--decode-workers`` worker
+    processes (``decode.workers``: the threads shared out among them); every system decodes the whole set once per
+    round, alternating over ``--decode-rounds`` rounds, after a warm-up that starts the workers. Sentences/s, speed
+    over fp32 in this process, share of outputs identical to that system's."""
+    workers = args.decode_workers
+    base = DecodeConfig(beam_size=args.beam, len_penalty=0.6, max_len_a=1.5, max_len_b=10,
+                        max_tokens=args.decode_max_tokens)
+    systems = {f"{precision}{'' if n == 1 else f'_{n}_workers'}":
+               Translator(translator.model, translator.src_tokenizer, translator.tgt_tokenizer,
+                          dataclasses.replace(base, precision=precision, workers=n))
+               for n in (1, workers) for precision in ("fp32", "bf16")}
+    for t in systems.values():  # warm-up: the workers started, each given a batch (its bf16 copy made)
+        if t.decode.workers > 1:
+            pool = t.decode_pool()
+            for future in [pool.submit(sources[:16], None, t.decode, None) for _ in range(workers)]:
+                future.result()
+        t.translate_ids(sources[:16])
+    seconds = {name: 0.0 for name in systems}
+    outputs: dict[str, list[list[int]]] = {}
+    for _ in range(args.decode_rounds):
+        for name, t in systems.items():
+            start = time.perf_counter()
+            hyps = t.translate_ids(sources)
+            seconds[name] += time.perf_counter() - start
+            outputs[name] = [h[0].tokens for h in hyps]
+    for t in systems.values():
+        t.close()
+    total = len(sources) * args.decode_rounds
+    return {"workers": workers, "threads": torch.get_num_threads(),
+            "threads_per_worker": max(1, torch.get_num_threads() // workers), "rounds": args.decode_rounds,
+            "systems": {name: {"sentences_per_s": total / seconds[name], "seconds": seconds[name],
+                               "speed_over_fp32": seconds["fp32"] / seconds[name],
+                               "identical_to_fp32": sum(a == b for a, b in zip(outputs["fp32"], outputs[name]))
+                               / len(sources)}
+                        for name in systems}}
 
 
 def timed_training(args: argparse.Namespace, model: EncoderDecoder, config: Callable[[str], Any], work: Path,

@@ -166,7 +166,7 @@ def _translator(args: argparse.Namespace):
                          ("max_len_a", args.max_len_a), ("max_len_b", args.max_len_b),
                          ("max_tokens", args.batch_tokens), ("min_len", args.min_len),
                          ("temperature", args.temperature), ("top_k", args.top_k), ("top_p", args.top_p),
-                         ("seed", args.seed), ("precision", args.precision)):
+                         ("seed", args.seed), ("precision", args.precision), ("workers", args.workers)):
         if value is not None:
             setattr(d, field, value)
     if args.greedy:
@@ -175,6 +175,9 @@ def _translator(args: argparse.Namespace):
         d.sampling = True
     if not d.sampling:
         _refuse(args, SAMPLING_OPTIONS, "applies to sampling only: add --sampling")
+    if d.workers > 1 and translator.device.type != "cpu":
+        raise ValueError(f"--workers {d.workers}: worker processes decode on the CPU; this model is on "
+                         f"{translator.device} (--device cpu, or no --workers)")
     if args.threads:
         import torch
 
@@ -601,6 +604,9 @@ def _decode_options(p: argparse.ArgumentParser) -> None:
                         "(faster on CPUs with AMX or AVX-512 BF16 and on GPUs; default: the config's, fp32)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--threads", type=int, help="CPU threads")
+    p.add_argument("--workers", type=int,
+                   help="CPU decoding in N processes sharing the threads (faster than threads alone for small models "
+                        "on few cores; not with --sampling; default 1)")
     p.add_argument("--src-lang", help="multilingual model: source language (any trained or zero-shot direction)")
     p.add_argument("--tgt-lang", help="multilingual model: target language")
 

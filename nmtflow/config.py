@@ -307,6 +307,7 @@ class DecodeConfig:
     top_p: float = 1.0  # sampling: only from the nucleus of this probability mass (1.0: all)
     seed: int | None = None  # sampling: the same seed draws the same samples (null: a fresh random seed)
     precision: str = "fp32"  # fp32 | bf16 (a bf16 copy of the weights; logits, log-softmax and scores in fp32)
+    workers: int = 1  # CPU decoding in N processes, the threads shared out among them (nmtflow.decode.workers)
 
     SAMPLING_ONLY: ClassVar[dict[str, Any]] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None}
 
@@ -326,12 +327,15 @@ class DecodeConfig:
         if self.sampling and self.greedy:
             yield "sampling", ("draws tokens at random, greedy search takes the most likely one: set only one "
                                "of sampling and greedy")
+        if self.sampling and self.workers > 1:
+            yield "workers", (f"{self.workers} worker processes do not sample (which worker draws which batch would "
+                              "change the samples): use workers: 1 with sampling")
 
     def validate(self, where: str) -> None:
         if self.precision not in DECODE_PRECISIONS:
             raise ConfigError(f"{where}.precision: unknown precision {self.precision!r} "
                               f"(known: {', '.join(DECODE_PRECISIONS)})")
-        for name in ("beam_size", "nbest", "max_input_tokens", "max_tokens"):
+        for name in ("beam_size", "nbest", "max_input_tokens", "max_tokens", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{where}.{name}: must be >= 1, got {getattr(self, name)}")
         for name, problem in self.search_problems():

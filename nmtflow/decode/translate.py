@@ -10,6 +10,7 @@ import os
 import stat
 import sys
 import tempfile
+from concurrent.futures import as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TextIO
@@ -25,6 +26,7 @@ from nmtflow.decode.precision import model_in_precision
 from nmtflow.decode.search import (Hypothesis, beam_search, decoder_limit, greedy_search, sample_search,
                                    token_logprobs)
 from nmtflow.decode.unknowns import UnknownTally
+from nmtflow.decode.workers import DecodePool
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, position_limits
 from nmtflow.runtime import new_file_mode
 
@@ -123,14 +125,14 @@ def source_positions(model: EncoderDecoder) -> int | None:
 
 
 FLAGS = {"min_len": "--min-len", "sampling": "--sampling", "temperature": "--temperature", "top_k": "--top-k",
-         "top_p": "--top-p", "seed": "--seed"}  # decode keys → translate's options
+         "top_p": "--top-p", "seed": "--seed", "workers": "--workers"}  # decode keys → translate's options
 
 
 def check_search(d: DecodeConfig) -> None:
     """A ValueError naming the option for search settings that cannot give what they ask for: an n-best list holds
     at most ``beam_size`` hypotheses, greedy search finds one, sampling does not search (and no greedy with it)."""
     for name, flag, value in (("beam_size", "--beam", d.beam_size), ("nbest", "--nbest", d.nbest),
-                              ("max_tokens", "--batch-tokens", d.max_tokens)):
+                              ("max_tokens", "--batch-tokens", d.max_tokens), ("workers", "--workers", d.workers)):
         if value < 1:
             raise ValueError(f"{flag} {value} (decode.{name}): must be >= 1")
     for name, problem in d.search_problems():
@@ -180,6 +182,33 @@ def _aligned(lines: Iterable[str], prefixes: Iterable[str], name: str,
         yield line, prefix  # type: ignore[misc]
 
 
+def search_model(model: EncoderDecoder, d: DecodeConfig, src: torch.Tensor, *,
+                 prefixes: list[list[int]] | None = None,
+                 generator: torch.Generator | None = None) -> list[list[Hypothesis]]:
+    """src (B,S) → each sentence's ``d.nbest`` hypotheses, best first: exactly that many wherever that many
+    distinct outputs fit its length limit (fewer only where they do not, e.g. a vocabulary of a few pieces).
+    With ``d.sampling``, ``nbest`` samples each, in the order drawn from ``generator``. ``prefixes``: a
+    forced target prefix (ids) per sentence, [] for none."""
+    check_search(d)
+    model = model_in_precision(model, d.precision)
+    limits = dict(max_len_a=d.max_len_a, max_len_b=d.max_len_b, min_len=d.min_len, prefixes=prefixes)
+    if d.sampling:
+        return sample_search(model, src, nbest=d.nbest, temperature=d.temperature, top_k=d.top_k,
+                             top_p=d.top_p, generator=generator, **limits)
+    if d.greedy or (d.beam_size == 1 and d.nbest == 1):
+        return [[h] for h in greedy_search(model, src, len_penalty=d.len_penalty, **limits)]
+    return beam_search(model, src, beam_size=d.beam_size, len_penalty=d.len_penalty, nbest=d.nbest, **limits)
+
+
+def search_batch(model: EncoderDecoder, d: DecodeConfig, sources: list[list[int]],
+                 prefixes: list[list[int]] | None, src_prefix: int | None, device: torch.device,
+                 generator: torch.Generator | None = None) -> list[list[Hypothesis]]:
+    """One batch of source ids (no EOS; ``src_prefix``: a tag put before each) → :func:`search_model`: what
+    :meth:`Translator.translate_ids` does per batch, here in a worker process (``nmtflow.decode.workers``)."""
+    src = collate(sources, [[]] * len(sources), src_prefix=src_prefix).src
+    return search_model(model, d, src.to(device), prefixes=prefixes, generator=generator)
+
+
 @dataclass
 class Translator:
     """A model with its tokenizers and search settings."""
@@ -192,6 +221,7 @@ class Translator:
     src_prefix: int | None = None
     progress: Callable[[int], Any] | None = field(default=None, repr=False)  # told how many sentences are done
     unknowns: UnknownTally | None = field(default=None, repr=False)  # set: encode_source counts <unk> into it
+    _pool: DecodePool | None = field(default=None, init=False, repr=False, compare=False)  # decode.workers > 1
 
     @property
     def device(self) -> torch.device:
@@ -254,20 +284,8 @@ class Translator:
 
     def search(self, src: torch.Tensor, *, prefixes: list[list[int]] | None = None,
                generator: torch.Generator | None = None) -> list[list[Hypothesis]]:
-        """src (B,S) → each sentence's ``decode.nbest`` hypotheses, best first: exactly that many wherever that many
-        distinct outputs fit its length limit (fewer only where they do not, e.g. a vocabulary of a few pieces).
-        With ``decode.sampling``, ``nbest`` samples each, in the order drawn from ``generator``. ``prefixes``: a
-        forced target prefix (ids) per sentence, [] for none."""
-        d = self.decode
-        check_search(d)
-        model = model_in_precision(self.model, d.precision)
-        limits = dict(max_len_a=d.max_len_a, max_len_b=d.max_len_b, min_len=d.min_len, prefixes=prefixes)
-        if d.sampling:
-            return sample_search(model, src, nbest=d.nbest, temperature=d.temperature, top_k=d.top_k,
-                                 top_p=d.top_p, generator=generator, **limits)
-        if d.greedy or (d.beam_size == 1 and d.nbest == 1):
-            return [[h] for h in greedy_search(model, src, len_penalty=d.len_penalty, **limits)]
-        return beam_search(model, src, beam_size=d.beam_size, len_penalty=d.len_penalty, nbest=d.nbest, **limits)
+        """src (B,S) → each sentence's ``decode.nbest`` hypotheses, best first (:func:`search_model`)."""
+        return search_model(self.model, self.decode, src, prefixes=prefixes, generator=generator)
 
     @torch.no_grad()
     def translate_ids(self, sources: list[list[int]], *, prefixes: list[list[int]] | None = None,
@@ -285,17 +303,52 @@ class Translator:
         lengths = [len(sources[i]) for i in nonempty]
         if self.progress and len(nonempty) < len(sources):
             self.progress(len(sources) - len(nonempty))
-        generator = sampling_generator(self.decode, self.device, first_line)
-        for batch in batches_by_length(lengths, self.decode.max_tokens):
-            rows = [nonempty[b] for b in batch]
-            src = collate([sources[r] for r in rows], [[]] * len(rows), src_prefix=self.src_prefix).src
-            found = self.search(src.to(self.device), prefixes=[forced[r] for r in rows] if prefixes else None,
-                                generator=generator)
+        max_tokens, workers = self.decode.max_tokens, self.decode.workers
+        if workers > 1:  # about four batches per worker, handed out as they come free: they finish together
+            max_tokens = min(max_tokens, max(1, -(-sum(lengths) // (4 * workers))))
+        batches = [[nonempty[b] for b in batch] for batch in batches_by_length(lengths, max_tokens)]
+
+        def place(rows: list[int], found: list[list[Hypothesis]]) -> None:
             for r, hyps in zip(rows, found):
                 results[r] = hyps or [Hypothesis([], math.nan, math.nan)]  # beam search keeps no NaN-scored one
             if self.progress:
                 self.progress(len(rows))
+
+        if workers > 1 and len(batches) > 1:  # shared out over worker processes
+            pool = self.decode_pool()
+            futures = {pool.submit([sources[r] for r in rows], [forced[r] for r in rows] if prefixes else None,
+                                   self.decode, self.src_prefix): rows for rows in batches}
+            try:
+                for future in as_completed(futures):
+                    place(futures[future], future.result())
+            finally:
+                for future in futures:
+                    future.cancel()
+            return results
+        generator = sampling_generator(self.decode, self.device, first_line)
+        for rows in batches:
+            src = collate([sources[r] for r in rows], [[]] * len(rows), src_prefix=self.src_prefix).src
+            place(rows, self.search(src.to(self.device), prefixes=[forced[r] for r in rows] if prefixes else None,
+                                    generator=generator))
         return results
+
+    def decode_pool(self) -> DecodePool:
+        """The worker processes of ``decode.workers`` (started at the first call, kept until :meth:`close`), with
+        the CPU threads of this process shared out among them. They decode the model as it was when they started."""
+        workers = self.decode.workers
+        if self.device.type != "cpu":
+            raise ValueError(f"decode.workers: {workers} worker processes decode on the CPU; this model is on "
+                             f"{self.device} (use decode.workers: 1 there)")
+        if self._pool is None or self._pool.workers != workers:
+            self.close()
+            self._pool = DecodePool(self.model, search_batch, workers, max(1, torch.get_num_threads() // workers))
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the worker processes of ``decode.workers``, if any were started (also done at exit)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def encode_prefixes(self, prefixes: list[str], *, first_line: int = 1,
                         name: str | None = None) -> list[list[int]]:

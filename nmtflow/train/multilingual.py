@@ -286,7 +286,8 @@ class MultilingualTrainer(Trainer):
         valid: MultiBitext = self.valid_data  # type: ignore[assignment]
         tc = self.config.train
         decode = dataclasses.replace(self.config.decode, beam_size=tc.valid_beam_size, nbest=1,
-                                     greedy=tc.valid_beam_size == 1, sampling=False)  # BLEU of the search
+                                     greedy=tc.valid_beam_size == 1, sampling=False,  # BLEU of the search
+                                     workers=1)  # the model in training, here: no worker processes
         self.model.eval()
         scores: dict[str, float] = {}
         mine: list[list[str]] = []  # this rank's share of each direction's hypotheses (DDP: gathered below)

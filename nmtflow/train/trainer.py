@@ -595,7 +595,8 @@ class Trainer:
                                                                                tc.valid_bleu_max_sentences)
         decode = type(self.config.decode)(**{**vars(self.config.decode), "beam_size": tc.valid_beam_size,
                                              "nbest": 1, "greedy": tc.valid_beam_size == 1,
-                                             "sampling": False})  # BLEU of the search, never of samples
+                                             "sampling": False,  # BLEU of the search, never of samples
+                                             "workers": 1})  # the model in training, here: no worker processes
         self.model.eval()
         translator = Translator(self.model, self.src_tok, self.tgt_tok, decode)
         sources = [self.valid_data.src[i].tolist() for i in distributed.shard(range(n), self.dist)]
