@@ -135,7 +135,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--preset", default="small")
     p.add_argument("--layers", type=int, default=3, help="encoder and decoder layers")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per batch (one batch per rank and step)")
-    p.add_argument("--precision", default="fp32", help="fp32 | bf16 | fp16 (CUDA)")
+    p.add_argument("--precision", nargs="+", default=["fp32"],
+                   help="fp32 | bf16 | fp16 (CUDA); several: every process count in each, alternating")
     p.add_argument("--warmup", type=int, default=2, help="untimed updates")
     p.add_argument("--steps", type=int, default=12, help="timed updates per round")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds over the configurations")
@@ -155,29 +156,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--batches-per-update {args.batches_per_update} is not divisible by {bad}")
     data = prepared(args)
 
-    rounds: dict[int, list[dict[str, Any]]] = {n: [] for n in procs}
+    precisions = args.precision
+    # one precision: runs keyed by the process count, as before; several: "N-PRECISION"
+    configs = {(str(n) if len(precisions) == 1 else f"{n}-{prec}"): (n, prec) for prec in precisions for n in procs}
+    rounds: dict[str, list[dict[str, Any]]] = {key: [] for key in configs}
     for r in range(args.rounds):
-        for n in procs:
-            res = run(n, args, data)
-            rounds[n].append(res)
-            print(f"round {r + 1}: {n} process(es): {res['train_tgt_tokens_per_s']:.0f} tgt tok/s", flush=True)
+        for key, (n, prec) in configs.items():
+            res = run(n, argparse.Namespace(**{**vars(args), "precision": prec}), data)
+            rounds[key].append({**res, "precision": prec})
+            print(f"round {r + 1}: {n} process(es), {prec}: {res['train_tgt_tokens_per_s']:.0f} tgt tok/s", flush=True)
     runs = {}
-    for n, rs in rounds.items():
+    for key, rs in rounds.items():
         speeds = [x["train_tgt_tokens_per_s"] for x in rs]
-        runs[str(n)] = {**{k: v for k, v in rs[-1].items() if k not in ("seconds", "tgt_tokens", "last_loss",
-                                                                        "train_tgt_tokens_per_s")},
-                        "train_tgt_tokens_per_s": statistics.median(speeds), "per_round_tgt_tokens_per_s": speeds,
-                        "tgt_tokens_per_round": rs[-1]["tgt_tokens"], "last_loss": rs[-1]["last_loss"]}
-    base = runs[str(procs[0])]["train_tgt_tokens_per_s"]
+        runs[key] = {**{k: v for k, v in rs[-1].items() if k not in ("seconds", "tgt_tokens", "last_loss",
+                                                                    "train_tgt_tokens_per_s")},
+                     "train_tgt_tokens_per_s": statistics.median(speeds), "per_round_tgt_tokens_per_s": speeds,
+                     "tgt_tokens_per_round": rs[-1]["tgt_tokens"], "last_loss": rs[-1]["last_loss"]}
+    first = next(iter(configs))  # the first precision's first process count
+    base = runs[first]["train_tgt_tokens_per_s"]
     from nmtflow.runtime import machine_info
     report = {
         "machine": machine_info(args.device, gpus=gpus),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "runs": runs,
         "skipped": {str(n): why for n, why in skipped.items()},
-        "speedup_over_1_process": {n: r["train_tgt_tokens_per_s"] / max(base, 1e-9) for n, r in runs.items()}
+        "speedup_over_1_process": {key: r["train_tgt_tokens_per_s"] / max(base, 1e-9) for key, r in runs.items()}
         if procs[0] == 1 else {},
     }
+    if len(precisions) > 1:
+        report["speedup_over_1_process_note"] = f"over {first}: 1 process in {precisions[0]}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(f"{'processes':<10}{'threads':>8}{'update_freq':>12}{'tgt tok/s':>12}{'speedup':>9}")
