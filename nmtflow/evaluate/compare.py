@@ -485,6 +485,7 @@ def _run_isolated(job_file: Path, run_dir: Path) -> tuple[int, bool]:
         with _forward_signals(proc) as stopped:
             while chunk := proc.stdout.read1(1 << 16):
                 logf.write(chunk)
+                logf.flush()  # train.log as current as the terminal (a buffer held ~40 minutes of a long run's log)
                 sys.stderr.write(decoder.decode(chunk))
                 sys.stderr.flush()
             rc = proc.wait()

@@ -119,3 +119,34 @@ def test_a_killed_run_says_it_was_killed(tmp_path: Path) -> None:
     assert error.startswith("killed by SIGKILL (out of memory?)") and "update 30" not in error
     assert compare._outcome(tmp_path, -signal.SIGSEGV, False)[2].startswith("killed by SIGSEGV;")
     assert compare._outcome(tmp_path, 1, False)[2].startswith("exit status 1: update 30")
+
+
+def test_an_isolated_runs_log_is_written_as_its_output_arrives(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train.log`` holds each chunk of the run's output before the next one is read (it was block-buffered: a
+    long run's log lagged its terminal output by about 8 KB)."""
+    import io
+    import subprocess
+
+    from nmtflow.evaluate import compare
+
+    seen: list[str] = []
+
+    class Output(io.BytesIO):
+        def read1(self, size: int = -1) -> bytes:
+            seen.append((tmp_path / "train.log").read_text(encoding="utf-8"))
+            return super().read1(min(size, 6))
+
+    class FakeProcess:
+        def __init__(self, *args, **kwargs) -> None:
+            self.stdout = Output(b"first\nsecond\n")
+
+        def wait(self) -> int:
+            return 0
+
+        def send_signal(self, signum: int) -> None:
+            pass
+
+    monkeypatch.setattr(subprocess, "Popen", FakeProcess)
+    assert compare._run_isolated(tmp_path / "job.json", tmp_path) == (0, False)
+    assert seen == ["", "first\n", "first\nsecond", "first\nsecond\n"]
