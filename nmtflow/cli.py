@@ -175,9 +175,6 @@ def _translator(args: argparse.Namespace):
         d.sampling = True
     if not d.sampling:
         _refuse(args, SAMPLING_OPTIONS, "applies to sampling only: add --sampling")
-    if d.workers > 1 and translator.device.type != "cpu":
-        raise ValueError(f"--workers {d.workers}: worker processes decode on the CPU; this model is on "
-                         f"{translator.device} (--device cpu, or no --workers)")
     if args.threads:
         import torch
 
@@ -270,7 +267,7 @@ def cmd_translate(args: argparse.Namespace) -> int | None:
 
 
 SAMPLING_OPTIONS = ("temperature", "top_k", "top_p", "seed")
-SEARCH_OPTIONS = ("beam", "nbest", "greedy", "lenpen", "max_len_a", "max_len_b", "min_len", "sampling",
+SEARCH_OPTIONS = ("beam", "nbest", "greedy", "lenpen", "max_len_a", "max_len_b", "min_len", "sampling", "workers",
                   *SAMPLING_OPTIONS)
 
 

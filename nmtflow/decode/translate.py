@@ -11,6 +11,7 @@ import stat
 import sys
 import tempfile
 from concurrent.futures import as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TextIO
@@ -26,11 +27,19 @@ from nmtflow.decode.precision import model_in_precision
 from nmtflow.decode.search import (Hypothesis, beam_search, decoder_limit, greedy_search, sample_search,
                                    token_logprobs)
 from nmtflow.decode.unknowns import UnknownTally
-from nmtflow.decode.workers import DecodePool
+from nmtflow.decode.workers import DecodePool, close_pool, pool_for
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, position_limits
 from nmtflow.runtime import new_file_mode
 
 log = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A warning logged once per process (not at every chunk of a long input)."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
 
 
 def tokenizer_from_bytes(data: bytes, checkpoint: str | Path, side: str) -> Tokenizer:
@@ -221,7 +230,6 @@ class Translator:
     src_prefix: int | None = None
     progress: Callable[[int], Any] | None = field(default=None, repr=False)  # told how many sentences are done
     unknowns: UnknownTally | None = field(default=None, repr=False)  # set: encode_source counts <unk> into it
-    _pool: DecodePool | None = field(default=None, init=False, repr=False, compare=False)  # decode.workers > 1
 
     @property
     def device(self) -> torch.device:
@@ -304,6 +312,10 @@ class Translator:
         if self.progress and len(nonempty) < len(sources):
             self.progress(len(sources) - len(nonempty))
         max_tokens, workers = self.decode.max_tokens, self.decode.workers
+        if workers > 1 and self.device.type != "cpu":
+            _warn_once(f"decode.workers: {workers} worker processes decode on the CPU; this model is on "
+                       f"{self.device}, which decodes in this process")
+            workers = 1
         if workers > 1:  # about four batches per worker, handed out as they come free: they finish together
             max_tokens = min(max_tokens, max(1, -(-sum(lengths) // (4 * workers))))
         batches = [[nonempty[b] for b in batch] for batch in batches_by_length(lengths, max_tokens)]
@@ -321,6 +333,10 @@ class Translator:
             try:
                 for future in as_completed(futures):
                     place(futures[future], future.result())
+            except BrokenProcessPool:
+                self.close()
+                raise RuntimeError("decode.workers: a worker process stopped (killed, or out of memory?); the next "
+                                   "call starts new ones") from None
             finally:
                 for future in futures:
                     future.cancel()
@@ -333,22 +349,18 @@ class Translator:
         return results
 
     def decode_pool(self) -> DecodePool:
-        """The worker processes of ``decode.workers`` (started at the first call, kept until :meth:`close`), with
-        the CPU threads of this process shared out among them. They decode the model as it was when they started."""
+        """The worker processes of ``decode.workers`` for this model (:func:`~nmtflow.decode.workers.pool_for`:
+        started at the first call, shared by every translator of the model, started again after its weights
+        change), with the CPU threads of this process shared out among them."""
         workers = self.decode.workers
         if self.device.type != "cpu":
             raise ValueError(f"decode.workers: {workers} worker processes decode on the CPU; this model is on "
                              f"{self.device} (use decode.workers: 1 there)")
-        if self._pool is None or self._pool.workers != workers:
-            self.close()
-            self._pool = DecodePool(self.model, search_batch, workers, max(1, torch.get_num_threads() // workers))
-        return self._pool
+        return pool_for(self.model, search_batch, workers, max(1, torch.get_num_threads() // workers))
 
     def close(self) -> None:
-        """Stop the worker processes of ``decode.workers``, if any were started (also done at exit)."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        """Stop the worker processes of ``decode.workers`` for this model, if any were started (also done at exit)."""
+        close_pool(self.model)
 
     def encode_prefixes(self, prefixes: list[str], *, first_line: int = 1,
                         name: str | None = None) -> list[list[int]]:

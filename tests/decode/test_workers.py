@@ -3,6 +3,10 @@ started once and stopped by ``close``; sampling, the validation inside training 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,8 @@ import torch
 
 from nmtflow.cli import main
 from nmtflow.config import ConfigError, DecodeConfig, load_config
+from nmtflow.decode import workers
+from nmtflow.decode.search import Hypothesis
 from nmtflow.decode.translate import Translator, check_search
 
 from tests.decode.test_cli_decoding import ckpt, run  # noqa: F401 (a fixture)
@@ -45,16 +51,52 @@ def test_workers_find_what_one_process_finds(precision: str) -> None:
         assert pool.threads == 1 and pool.workers == 2
         two.translate_ids(src[:10])
         assert two.decode_pool() is pool  # started once, kept between calls
+        copy = dataclasses.replace(two, decode=dataclasses.replace(two.decode, beam_size=2))
+        copy.translate_ids(src)
+        assert copy.decode_pool() is pool  # and shared by every translator of the model (the API's per-call copies)
         processes = list(pool._executor._processes.values())
         assert len(processes) == 2 and all(p.is_alive() for p in processes)
     finally:
         two.close()
-    assert two._pool is None and not any(p.is_alive() for p in processes)
+    assert one.model not in workers._POOLS and not any(p.is_alive() for p in processes)
+
+
+def test_the_workers_follow_changed_weights_and_replace_a_dead_worker() -> None:
+    """In bf16 too: after an in-place change of the weights (a fine-tuning step, ``load_state_dict``) the workers
+    decode the new ones; a worker killed while idle is replaced at the next call; Ctrl-C goes to the parent alone."""
+    one = translator(DecodeConfig(beam_size=2, max_tokens=12, max_len_b=4, precision="bf16"))
+    two = Translator(one.model, None, None, dataclasses.replace(one.decode, workers=2))  # type: ignore[arg-type]
+    src = sources(16, seed=5)
+    try:
+        two.translate_ids(src)
+        first = two.decode_pool()
+        with torch.no_grad():
+            for p in one.model.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        expected = [[h.tokens for h in n] for n in one.translate_ids(src)]
+        assert [[h.tokens for h in n] for n in two.translate_ids(src)] == expected
+        second = two.decode_pool()
+        assert second is not first and first.broken is False
+        processes = list(second._executor._processes.values())
+        for process in processes:
+            os.kill(process.pid, signal.SIGINT)  # a terminal's Ctrl-C: ignored by the workers
+        time.sleep(1)
+        assert all(p.is_alive() for p in processes) and not second.broken
+        assert [[h.tokens for h in n] for n in two.translate_ids(src)] == expected
+        os.kill(processes[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not second.broken and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert second.broken
+        assert [[h.tokens for h in n] for n in two.translate_ids(src)] == expected
+        assert two.decode_pool() is not second
+    finally:
+        two.close()
 
 
 def test_one_batch_stays_in_this_process() -> None:
     t = translator(DecodeConfig(beam_size=2, max_len_b=4, workers=2))
-    assert len(t.translate_ids(sources(1) + [[]])) == 2 and t._pool is None  # nothing to share out
+    assert len(t.translate_ids(sources(1) + [[]])) == 2 and t.model not in workers._POOLS  # nothing to share out
 
 
 def test_sampling_with_workers_and_bad_counts_are_errors() -> None:
@@ -68,12 +110,24 @@ def test_sampling_with_workers_and_bad_counts_are_errors() -> None:
         load_config(data={"decode": {"sampling": True, "workers": 3}})
 
 
-def test_workers_refuse_a_model_off_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_model_off_the_cpu_decodes_in_its_process_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint whose config says ``decode.workers: 2``, opened on a GPU: one process, one warning."""
     t = translator(DecodeConfig(beam_size=2, max_tokens=10, workers=2))
     monkeypatch.setattr(Translator, "device", property(lambda self: torch.device("meta")))
     with pytest.raises(ValueError, match=r"decode.workers: 2 worker processes decode on the CPU; this model is on "
                                          r"meta"):
         t.decode_pool()
+    searched = []
+    monkeypatch.setattr(Translator, "search", lambda self, src, **kw: searched.append(len(src)) or
+                        [[Hypothesis([5], -1.0, -1.0)] for _ in range(len(src))])
+    with caplog.at_level(logging.WARNING, logger="nmtflow.decode.translate"):
+        for _ in range(2):
+            assert len(t.translate_ids(sources(12))) == 12
+    assert sum(searched) == 24 and t.model not in workers._POOLS
+    assert [r.getMessage() for r in caplog.records].count(
+        "decode.workers: 2 worker processes decode on the CPU; this model is on meta, which decodes in this "
+        "process") == 1
 
 
 def test_validation_during_training_decodes_in_its_own_process(copy_data: Path, tmp_path: Path) -> None:
@@ -110,3 +164,5 @@ def test_translate_with_workers_writes_what_one_process_writes(ckpt: str, tmp_pa
     assert main(["translate", ckpt, "-i", str(src), "--sampling", "--workers", "2",
                  "--device", "cpu"]) != 0
     assert "--workers (decode.workers): 2 worker processes do not sample" in capsys.readouterr().err
+    assert main(["score", ckpt, "--src", str(src), "--tgt", str(src), "--workers", "2", "--device", "cpu"]) != 0
+    assert "--workers: score computes log P(translation | source)" in capsys.readouterr().err
