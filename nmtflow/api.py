@@ -118,6 +118,18 @@ class Model:
                                                                                                    self.paths)
         return self._translators[src, tgt]
 
+    def close(self) -> None:
+        """Stop the worker processes of ``decode.workers`` of every direction used so far (they also stop at exit);
+        the model stays usable and starts them again when needed. ``with nmtflow.load(...) as model:`` does it."""
+        for translator in self._translators.values():
+            translator.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def _call_translator(self, where: str, src_lang: str | None, tgt_lang: str | None,
                          options: dict[str, Any]) -> Translator:
         translator = self.translator(src_lang, tgt_lang)

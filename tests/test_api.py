@@ -268,12 +268,12 @@ def test_the_python_api_page_examples_run(checkpoints: tuple[str, str], bridge: 
     page = (ROOT / "docs" / "guide" / "python-api.md").read_text(encoding="utf-8")
     api = page[:page.index("\n## Training and evaluating from Python")]
     blocks = re.findall(r"^```python\n(.*?)^```", api, flags=re.S | re.M)
-    assert len(blocks) == 7 and blocks[0].startswith("import nmtflow\n")
+    assert len(blocks) == 8 and blocks[0].startswith("import nmtflow\n")
     for name, source in (("en-de", checkpoints[0]), ("en-de-fusion", checkpoints[1]), ("bridge", bridge)):
         (tmp_path / "runs" / name).mkdir(parents=True)
         shutil.copy(source, tmp_path / "runs" / name / "checkpoint_best.pt")
     monkeypatch.chdir(tmp_path)
-    ns: dict[str, object] = {}
+    ns: dict[str, object] = {"__name__": "__main__"}  # as a script run by itself
     for n, block in enumerate(blocks):
         exec(compile(block, f"python-api.md block {n + 1}", "exec"), ns)
     out = capsys.readouterr().out
@@ -285,5 +285,26 @@ def test_the_python_api_page_examples_run(checkpoints: tuple[str, str], bridge: 
     assert len(ns["log_probs"]) == 2 and isinstance(ns["single"], float)
     assert ns["model"].decode.beam_size == 8 and ns["ensemble"].paths[1].endswith("en-de-fusion/checkpoint_best.pt")
     assert all(len(ns[name]) == 1 for name in ("english", "french", "back"))
+    assert ns["parallel"] == ns["best"] * 20  # the workers' translations (stopped by the with block)
     assert "runs/missing.pt: checkpoint not found" in out and "runs/en-de: a directory" in out
     assert "unknown decode option 'beam' (did you mean 'beam_size'?" in out
+
+
+def test_workers_through_the_api_for_two_directions_then_close(bridge: str) -> None:
+    """``nmtflow.load(..., workers=2)`` on a multilingual model: each direction's translations are one process's,
+    per-call options reuse that direction's workers, and ``with`` stops them all."""
+    from nmtflow.decode import workers
+
+    lines = ["ein mann", "zwei hunde spielen", "eine frau", "ein kind läuft", "zwei männer"] * 4
+    one = nmtflow.load(bridge, src_lang="de", tgt_lang="en", beam_size=2, max_tokens=8)
+    with nmtflow.load(bridge, src_lang="de", tgt_lang="en", beam_size=2, max_tokens=8, workers=2) as model:
+        for call in ({}, {"tgt_lang": "fr"}):
+            assert model.translate(lines, **call) == one.translate(lines, **call)
+            pool = workers._POOLS[model.translator(**{"src_lang": "de", **call}).model]
+            assert model.translate(lines, beam_size=3, **call) == one.translate(lines, beam_size=3, **call)
+            assert workers._POOLS[model.translator(**{"src_lang": "de", **call}).model] is pool
+        pools = [workers._POOLS[t.model] for t in model._translators.values()]
+        processes = [p for pool in pools for p in pool._executor._processes.values()]
+        assert len(pools) == 2 and len(processes) == 4 and all(p.is_alive() for p in processes)
+    assert all(t.model not in workers._POOLS for t in model._translators.values())
+    assert not any(p.is_alive() for p in processes)
