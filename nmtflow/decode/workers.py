@@ -4,7 +4,7 @@ The batches of a translation are shared out over N processes with ``threads ÷ N
 process running every operator on all the threads. A decoding step of a small model is many small operators, which
 gain little from a second thread; separate processes each keep their core busy. On the 2-core AMX Xeon
 (``benchmarks/bf16_cpu.py --decode-workers 2``, ``benchmarks/README.md``) two one-thread workers decoded the val
-set faster than one two-thread process, in fp32 (×1.08–1.17) and more so in bf16 (×1.30–1.34).
+set faster than one two-thread process, in fp32 (×1.08–1.24 over three runs) and more so in bf16 (×1.30–1.34).
 
 Each worker is a spawned process (safe with OpenMP, unlike a fork), so a script that decodes with workers needs
 the usual ``if __name__ == "__main__":`` guard (a spawned process imports the script again). It receives its own
@@ -13,10 +13,12 @@ handle is held per tensor), and then one batch of source ids per task, searched 
 process (:func:`nmtflow.decode.translate.search_batch`). The pool of a model is shared by every translator of that
 model (:func:`pool_for`) and started again when its weights have changed in place since (a fine-tuning step,
 ``load_state_dict``), when a worker has died, or when the worker or thread count differs. Workers ignore Ctrl-C,
-which goes to the parent process alone. The batches are cut smaller
-than one process's (about four per worker, :meth:`~nmtflow.decode.translate.Translator.translate_ids`), and a
-batch's padding, like fewer threads per process, can change a near-tie in the search; with the batches of one
-process and its thread count the outputs are that process's (``tests/decode/test_workers.py``).
+which goes to the parent process alone.
+
+The batches are cut smaller than one process's (about four per worker,
+:meth:`~nmtflow.decode.translate.Translator.translate_ids`), and a batch's padding, like fewer threads per process,
+can change a near-tie in the search; with the batches of one process and its thread count the outputs are that
+process's (``tests/decode/test_workers.py``).
 """
 from __future__ import annotations
 
