@@ -642,18 +642,28 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
     log.info("comparing %d runs × %d seeds (%d trainings; %s) in %s", len(exp.runs), len(exp.seeds), len(jobs),
              exp.budget.describe(), out)
     interrupted = False
+    status_of: dict[str, tuple[str, dict[str, Any] | None, str]] = {}
+
+    def outcomes_so_far(pending: str) -> list[dict[str, Any]]:
+        return [{**job, "status": status, "result": result, "error": error}
+                for job in jobs for status, result, error in [status_of.get(job["dir"], ("not run", None, pending))]]
 
     def report(label: str, job: dict[str, Any], status: str, result: dict[str, Any] | None, error: str) -> None:
         if status == "failed":
             log.error("%s failed: %s", label, error)
         elif status == "interrupted":
             log.warning("%s interrupted; rerun the same command to continue", label)
+            return
         else:
             scores = next(iter(result["scores"].values()), {})
             log.info("%s: BLEU %.2f, chrF %.2f", label, scores.get("bleu", float("nan")),
                      scores.get("chrf", float("nan")))
+        # the report so far after each run, the others "not run": a long comparison's finished runs are in
+        # results.json (and the plots) while the rest train, not only when the last one ends
+        status_of[job["dir"]] = (status, result, error)
+        if any(j["dir"] not in status_of for j in jobs):
+            write_report(exp, out, outcomes_so_far("not run yet (the comparison is still running)"), command=command)
 
-    status_of: dict[str, tuple[str, dict[str, Any] | None, str]] = {}
     todo: list[tuple[str, dict[str, Any]]] = []
     for n, job in enumerate(jobs, 1):
         label = f"[{n}/{len(jobs)}] {job['run']}" + (f" {job['direction']}" if job["direction"] else "") + \
@@ -685,10 +695,7 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
             if status_of[job["dir"]][0] == "interrupted":
                 interrupted = True
                 break
-    outcomes: list[dict[str, Any]] = []
-    for job in jobs:
-        status, result, error = status_of.get(job["dir"], ("not run", None, "not run yet (interrupted)"))
-        outcomes.append({**job, "status": status, "result": result, "error": error})
+    outcomes = outcomes_so_far("not run yet (interrupted)")
     ensembles = decode_ensembles(exp, out, outcomes) if exp.ensemble and not interrupted else {}
     files, runs = write_report(exp, out, outcomes, command=command, ensembles=ensembles)
     failed = [f"{o['run']}" + (f" {o['direction']}" if o["direction"] else "") + f" seed {o['seed']}"

@@ -508,3 +508,33 @@ def test_runs_recorded_before_test_set_digests_are_skipped_and_upgraded(copied,
     assert [r["status"] for r in result.runs] == ["done", "done"]
     for job in jobs:
         assert json.loads((Path(job["dir"]) / "finished.json").read_text())["eval_key"] == job["eval_key"]
+
+
+def test_the_report_is_written_after_each_run(compared, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """results.json, results.md and the plots hold each finished run as soon as it ends, the others "not run", so
+    that a long comparison's results are there while its last runs train (and survive a crash of them)."""
+    experiment, out, _ = compared
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy)
+    finished = {}
+    for name in ("baseline", "shortcuts"):
+        path = copy / "runs" / name / "seed-1" / "finished.json"
+        finished[name] = json.loads(path.read_text(encoding="utf-8"))
+        path.unlink()
+    for name in ("results.json", "results.md", "valid_bleu.png"):
+        (copy / name).unlink()
+    seen = []
+
+    def decode_again(job, isolate):  # the runs are trained: give back their results as execute would
+        report = json.loads((copy / "results.json").read_text(encoding="utf-8")) if (copy / "results.json").exists() \
+            else None
+        seen.append((job["run"], report and {name: r["status"] for name, r in report["runs"].items()},
+                     (copy / "valid_bleu.png").exists()))
+        return "done", finished[job["run"]], ""
+
+    monkeypatch.setattr(compare, "execute", decode_again)
+    result = run_comparison(experiment, out=copy)
+    assert seen == [("baseline", None, False), ("shortcuts", {"baseline": "done", "shortcuts": "not run"}, True)]
+    assert [r["status"] for r in result.runs] == ["done", "done"]
+    final = json.loads((copy / "results.json").read_text(encoding="utf-8"))
+    assert {name: r["status"] for name, r in final["runs"].items()} == {"baseline": "done", "shortcuts": "done"}
