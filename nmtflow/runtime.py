@@ -9,7 +9,7 @@ import os
 import platform
 import sys
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -96,7 +96,7 @@ def keep_freed_memory() -> bool:
     _applied = False
     if not sys.platform.startswith("linux") or os.environ.get(OPT_OUT, "") not in ("", "0"):
         return False
-    mallopt = _mallopt()
+    mallopt = _libc_function("mallopt")
     if mallopt is None:  # not glibc (e.g. musl): nothing to tune
         return False
     _applied = bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
@@ -116,7 +116,7 @@ def hold_heap(headroom_bytes: int) -> bool:
     as in a long training run. The price is that resident memory never shrinks again. Needs
     :func:`keep_freed_memory` in effect (mmap off).
     """
-    mallopt = _mallopt() if keep_freed_memory() else None
+    mallopt = _libc_function("mallopt") if keep_freed_memory() else None
     if mallopt is None or not mallopt(M_TRIM_THRESHOLD, -1):  # -1: a size_t maximum, never trim
         return False
     if headroom_bytes > 0:  # served from the top of the heap, since mmap is off; stays mapped once freed
@@ -138,11 +138,6 @@ def release_freed_memory() -> bool:
     return trim is not None and bool(trim(0))
 
 
-def _mallopt() -> Callable[[int, int], int] | None:
-    """glibc's ``mallopt``, or None where the C library has none."""
-    return _libc_function("mallopt")
-
-
 @functools.lru_cache(maxsize=None)
 def _libc_function(name: str) -> Any:
     """The C library's function ``name``, or None where it has none (looked up once: ``find_library`` runs a
@@ -151,6 +146,9 @@ def _libc_function(name: str) -> Any:
         return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
+
+
+FP32_MATMULS = {"tf32": "tf32", "fp32": "ieee"}  # train.precision → CUDA's float32 matmul setting
 
 
 def use_precision(precision: str) -> None:
@@ -168,8 +166,8 @@ def use_precision(precision: str) -> None:
     to meet each shape, took 38.6 s for 100 batches that the systems after it trained in 7.1–7.6 s
     (``benchmarks/README.md``). Flash and memory-efficient attention need no plans.
     """
-    if precision in ("tf32", "fp32"):
-        torch.backends.cuda.matmul.fp32_precision = "tf32" if precision == "tf32" else "ieee"
+    if precision in FP32_MATMULS:
+        torch.backends.cuda.matmul.fp32_precision = FP32_MATMULS[precision]
     if precision in AUTOCAST_DTYPES:
         torch.backends.cuda.enable_cudnn_sdp(False)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import logging
@@ -32,14 +33,12 @@ from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, posit
 from nmtflow.runtime import new_file_mode
 
 log = logging.getLogger(__name__)
-_warned: set[str] = set()
 
 
+@functools.cache
 def _warn_once(message: str) -> None:
     """A warning logged once per process (not at every chunk of a long input)."""
-    if message not in _warned:
-        _warned.add(message)
-        log.warning("%s", message)
+    log.warning("%s", message)
 
 
 def tokenizer_from_bytes(data: bytes, checkpoint: str | Path, side: str) -> Tokenizer:

@@ -649,6 +649,7 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
                 for job in jobs for status, result, error in [status_of.get(job["dir"], ("not run", None, pending))]]
 
     def report(label: str, job: dict[str, Any], status: str, result: dict[str, Any] | None, error: str) -> None:
+        status_of[job["dir"]] = (status, result, error)
         if status == "failed":
             log.error("%s failed: %s", label, error)
         elif status == "interrupted":
@@ -660,7 +661,6 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
                      scores.get("chrf", float("nan")))
         # the report so far after each run, the others "not run": a long comparison's finished runs are in
         # results.json (and the plots) while the rest train, not only when the last one ends
-        status_of[job["dir"]] = (status, result, error)
         if any(j["dir"] not in status_of for j in jobs):
             write_report(exp, out, outcomes_so_far("not run yet (the comparison is still running)"), command=command)
 
@@ -690,8 +690,7 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
             trained = is_trained(job, read_json(Path(job["dir"]) / TRAINED))
             log.info("%s: %s in %s", label, "trained earlier; decoding" if trained else "training and decoding",
                      job["dir"])
-            status_of[job["dir"]] = execute(job, exp.isolate)
-            report(label, job, *status_of[job["dir"]])
+            report(label, job, *execute(job, exp.isolate))
             if status_of[job["dir"]][0] == "interrupted":
                 interrupted = True
                 break
