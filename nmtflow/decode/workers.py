@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import pickle
 import signal
+import threading
 import weakref
 from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.multiprocessing
@@ -56,6 +58,20 @@ def _search(sources: list[list[int]], prefixes: list[list[int]] | None, decode: 
         return search(model, decode, sources, prefixes, src_prefix, torch.device("cpu"))
 
 
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored in this process meanwhile (in the main thread; elsewhere signals cannot be changed), so that
+    the processes it starts inherit the ignored disposition, which Python keeps at startup."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def weights_version(model: torch.nn.Module) -> tuple[int, ...]:
     """The in-place version counters of ``model``'s parameters and buffers: they change with its weights."""
     return tuple(t._version for t in (*model.parameters(), *model.buffers()))
@@ -75,6 +91,9 @@ class DecodePool:
                                                        search, threads))
         # the processes stop with the pool, or at exit if it is still open then
         self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=True, cancel_futures=True)
+        with _sigint_ignored():  # start them all now, inheriting it: Ctrl-C never reaches one, even while it starts
+            for _ in range(workers):
+                self._executor.submit(int)  # each submit starts a process while none is idle
 
     @property
     def broken(self) -> bool:
