@@ -35,12 +35,14 @@ from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpu_profile import kernel_times
 from nmtflow.config import load_config
 from nmtflow.data.batching import Batch
 from nmtflow.models.base import Vocabularies, build_model, count_parameters
+from nmtflow.nn import attention
 from nmtflow.runtime import machine_info
 from throughput import (Optimiser, ReferenceConfig, ReferenceTransformer, add_common_args, default_work,
                         prepared_data, timed_training, training_batches, write_json)
@@ -54,6 +56,28 @@ KINDS = (("attention", ("flash", "fmha", "attention", "attn")),
          ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "splitk")),
          ("softmax_loss", ("softmax", "log_softmax", "nll", "cross_entropy", "smoothed")),
          ("optimizer", ("multi_tensor", "adam", "foreach", "fused_adam")))
+
+
+SDPA_BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+class BackendOptimiser(Optimiser):
+    """nmtflow's training step with ``scaled_dot_product_attention`` held to ``backends``, PyTorch choosing among
+    them per call (flash takes no padding mask; nmtflow's own choice for short causal attention is off):
+    ``flash+efficient`` is PyTorch's default choice in bf16 training, where cuDNN's backend is off."""
+
+    def __init__(self, model: torch.nn.Module, tc: Any, backends: list[SDPBackend]) -> None:
+        super().__init__(model, tc)
+        self.backends = backends
+
+    def step(self, b: Batch) -> float:
+        short_causal, attention.EFFICIENT_CAUSAL_MAX_LEN = attention.EFFICIENT_CAUSAL_MAX_LEN, 0  # PyTorch chooses
+        try:
+            with sdpa_kernel(self.backends):
+                return super().step(b)
+        finally:
+            attention.EFFICIENT_CAUSAL_MAX_LEN = short_causal
 
 
 def peak_flops(name: str) -> float | None:
@@ -103,7 +127,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="also nmtflow with train.compile (each layer and the loss under torch.compile)")
     p.add_argument("--compile-budget-s", type=float, default=float("inf"),
                    help="skip the compiled system unless this many seconds since the start are not yet spent")
-    add_common_args(p, warmup=5, steps=20, rounds=4)
+    p.add_argument("--sdpa", nargs="*", default=[], metavar="BACKEND[+BACKEND]",
+                   help="also nmtflow with attention held to these backends (e.g. math, flash+math), each a system "
+                        f"nmtflow_sdpa_NAME; backends: {', '.join(SDPA_BACKENDS)}")
+    add_common_args(p, warmup=5, steps=24, rounds=6)
     p.set_defaults(vocab_size=32000, max_tokens=25000, precision="bf16")
     args = p.parse_args(argv)
     started = time.perf_counter()
@@ -127,6 +154,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               ffn_dim=cfg.model.ffn_dim, dropout=cfg.model.dropout)
     systems = {"nmtflow": Optimiser(ours, cfg.train),
                "reference_nn_transformer": Optimiser(ReferenceTransformer(ref_cfg, vocab).to(device), cfg.train)}
+    for spec in args.sdpa:  # after the reference: the same initial weights as "nmtflow" from the same seed
+        torch.manual_seed(args.seed)
+        model = build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device)
+        systems[f"nmtflow_sdpa_{spec}"] = BackendOptimiser(model, cfg.train,
+                                                           [SDPA_BACKENDS[n] for n in spec.split("+")])
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     timed_tokens = sum(b.num_tgt_tokens for b in timed)
     result: dict[str, Any] = {
@@ -135,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "layers": args.layers, "d_model": ref_cfg.d_model, "heads": ref_cfg.heads,
                    "ffn_dim": ref_cfg.ffn_dim, "max_tokens": args.max_tokens, "precision": args.precision,
                    "warmup_batches": len(warm), "timed_batches": len(timed), "rounds": args.rounds,
+                   "system_order": "rotated per round",
                    "timed_tgt_tokens": timed_tokens,
                    "timed_src_tokens": sum(int(b.src.ne(0).sum()) for b in timed),
                    "mean_tgt_tokens_per_batch": timed_tokens / len(timed)},
@@ -143,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def measure(group: dict[str, Optimiser], flops_of: dict[str, str] | None = None) -> None:
         """Time ``group``; ``flops_of`` maps a system to one whose counted FLOPs it shares (a compiled model)."""
-        seconds, losses, steps = timed_training(group, warm, timed, args.rounds, device)
+        seconds, losses, steps = timed_training(group, warm, timed, args.rounds, device, rotate=True)
         for name, opt in group.items():
             params = count_parameters(opt.model)
             tok_s = timed_tokens / seconds[name]
@@ -171,6 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     measure(systems)
     a, b = result["nmtflow"], result["reference_nn_transformer"]
     result["ratios"] = {"train_tokens_per_s": a["train_tgt_tokens_per_s"] / b["train_tgt_tokens_per_s"]}
+    for spec in args.sdpa:
+        result["ratios"][f"sdpa_{spec}_over_eager"] = (result[f"nmtflow_sdpa_{spec}"]["train_tgt_tokens_per_s"]
+                                                       / a["train_tgt_tokens_per_s"])
     write_json(args.out, result)
     if args.compile:
         if time.perf_counter() - started < args.compile_budget_s:
@@ -199,8 +235,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     out = main()
-    for key in ("nmtflow", "reference_nn_transformer", "nmtflow_compiled"):
-        if key in out and "train_tgt_tokens_per_s" in out[key]:
+    for key in [k for k in out if k.startswith(("nmtflow", "reference"))]:
+        if "train_tgt_tokens_per_s" in out[key]:
             r = out[key]
             print(f"{key}: {r['train_tgt_tokens_per_s']:,.0f} tgt tok/s, MFU 6N {r.get('mfu_6n', float('nan')):.1%}, "
                   f"counted {r.get('mfu_counted', float('nan')):.1%}")

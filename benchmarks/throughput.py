@@ -235,11 +235,14 @@ def training_batches(work: Path, args: argparse.Namespace, count: int, device: t
 
 def timed_training(systems: dict[str, Optimiser], warm: list[Batch], timed: list[Batch], rounds: int,
                    device: torch.device, heap_headroom_mb: int = 0,
-                   faults: dict[str, int] | None = None,
+                   faults: dict[str, int] | None = None, rotate: bool = False,
                    ) -> tuple[dict[str, float], dict[str, list[float]], dict[str, list[float]]]:
     """Untimed warm-up, then alternating timed blocks over the same batches → (seconds, losses, step seconds).
 
-    Step seconds are per system in the order of ``timed``: entry i of every system is the same batch. On the
+    Step seconds are per system in the order of ``timed``: entry i of every system is the same batch (with
+    ``rotate``, block i starts with the i-th system and goes round, so that no system always comes first: in
+    ``gpu_base.py`` on a GPU the first system left the GPU idle ~10 ms per step longer than the same model timed
+    after it, ``benchmarks/README.md``). On the
     CPU the heap is then held at its steady state with ``heap_headroom_mb`` MB pre-faulted (a negative value
     leaves it as it is; :func:`nmtflow.runtime.hold_heap`), so that a step that grows the heap does not pay
     for page faults that a long training run pays once; ``faults``, if given,
@@ -255,9 +258,12 @@ def timed_training(systems: dict[str, Optimiser], warm: list[Batch], timed: list
     counted = faults if faults is not None else {}
     counted.update({name: 0 for name in systems})
     rounds = max(1, min(rounds, len(timed)))
+    names = list(systems)
     for i in range(rounds):
         block = timed[i * len(timed) // rounds:(i + 1) * len(timed) // rounds]
-        for name, opt in systems.items():
+        order = names[i % len(names):] + names[:i % len(names)] if rotate else names
+        for name in order:
+            opt = systems[name]
             for b in block:
                 sync()
                 before = minor_faults()

@@ -137,3 +137,36 @@ def test_training_on_cuda_with_compile(copy_data: Path, tmp_path: Path) -> None:
     Trainer(config).train()
     train = [e for e in read_log(tmp_path) if e["kind"] == "train"]
     assert len(train) == 300 and train[-1]["loss"] < 0.5 * train[0]["loss"]
+
+
+@pytest.mark.parametrize("length", [32, 200])
+def test_short_causal_attention_runs_on_the_memory_efficient_kernel(length: int, monkeypatch: Any) -> None:
+    """Training's causal self-attention over at most ``EFFICIENT_CAUSAL_MAX_LEN`` positions runs on SDPA's
+    memory-efficient kernel (longer: flash, PyTorch's choice); outputs and gradients as the math reference."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nmtflow.nn import attention
+
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as bf16 training has it (runtime.use_precision); restored after
+    torch.manual_seed(0)
+    leaves = [torch.randn(4, 8, length, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for _ in range(3)]
+    grad = torch.randn(4, 8, length, 64, device="cuda", dtype=torch.bfloat16)
+
+    def run() -> tuple[list[torch.Tensor], str]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = attention.sdpa(*leaves, None, 0.0, True)
+            grads = torch.autograd.grad(out, leaves, grad)
+            torch.cuda.synchronize()
+        return [out, *grads], " ".join(e.key for e in prof.key_averages()).lower()
+
+    ours, kernels = run()
+    q, k, v = (x.detach().float().requires_grad_() for x in leaves)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    reference = [out, *torch.autograd.grad(out, [q, k, v], grad.float())]
+    efficient = length <= attention.EFFICIENT_CAUSAL_MAX_LEN
+    assert ("fmha" in kernels or "efficient" in kernels) == efficient and ("flash" in kernels) != efficient, kernels
+    for got, want in zip(ours, reference):
+        torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)
+    monkeypatch.setattr(attention, "EFFICIENT_CAUSAL_MAX_LEN", 0)  # off: flash, PyTorch's own choice
+    assert "flash" in run()[1]

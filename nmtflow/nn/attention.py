@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from nmtflow.config import ConfigError
 from nmtflow.nn.dropout import dropout
@@ -85,12 +86,25 @@ def causal_mask(mask: Tensor | None, t: int, s: int, device: torch.device) -> Te
 ROWS = ".rows"  # state entry: the row order a self-attention cache is still to be read in
 
 
+EFFICIENT_CAUSAL_MAX_LEN = 128
+"""On a GPU, causal self-attention in training over at most this many positions runs on SDPA's memory-efficient
+kernel, not flash (0: PyTorch's own choice). At sentence lengths flash's forward + backward is the slower: 0.57 against
+0.29 ms at 32 positions, 0.35 / 0.27 at 64, 0.26 / 0.23 at 128 and 0.27 / 0.39 at 256 (16k-token bf16 batches, 8
+heads of 64, one H200, ``benchmarks/sdpa_backends.py``). In a Transformer-base step on Multi30k (bf16, ~16k target
+tokens) the attention kernels took 5.7 ms instead of 9.0 (``benchmarks/gpu_base.py``)."""
+
+
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, causal: bool) -> Tensor:
     """``F.scaled_dot_product_attention`` (mask True = may attend), except in bf16 on a CPU while gradients are
     recorded: there PyTorch's CPU kernel runs its backward many times slower than in fp32 (``benchmarks/bf16_cpu.py``),
     so the attention itself is computed in fp32 with autocast off, and the result cast back; the projections around
     it stay in bf16. Without gradients (decoding, validation) the bf16 kernel runs: casting the key/value caches
-    up at every decoding step would cost more than the attention."""
+    up at every decoding step would cost more than the attention. On a GPU, short causal self-attention in training
+    runs on the memory-efficient kernel (:data:`EFFICIENT_CAUSAL_MAX_LEN`)."""
+    if (causal and q.is_cuda and k.size(2) <= EFFICIENT_CAUSAL_MAX_LEN and torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and torch.backends.cuda.mem_efficient_sdp_enabled()):
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     if q.device.type == "cpu" and torch.is_grad_enabled() and (q.dtype == torch.bfloat16
                                                                or torch.is_autocast_enabled("cpu")):
         with torch.autocast("cpu", enabled=False):
