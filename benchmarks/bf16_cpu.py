@@ -151,6 +151,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--decode-checkpoint", type=Path, help="decode with this trained checkpoint (not the benchmark's "
                    "model); its sources: DATA/val.SRC through its tokenizer")
     p.add_argument("--decode-only", action="store_true", help="skip training: time decoding only")
+    p.add_argument("--train-only", action="store_true", help="skip decoding: time training only")
+    p.add_argument("--seen-shapes", action="store_true",
+                   help="one untimed pass of every system over the timed batches first, so that the timed steps "
+                        "meet batch shapes already seen, as every epoch after the first of a long run does")
     p.add_argument("--decode-workers", type=int, default=1,
                    help="with --decode-checkpoint: also time fp32 and bf16 decoding in N worker processes "
                         "(decode.workers) against one process")
@@ -194,7 +198,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "seed": args.seed}
     if not args.decode_only:
         result.update(timed_training(args, model, config, work, valid, device))
-    if args.decode_checkpoint is not None:
+    if args.train_only:
+        pass
+    elif args.decode_checkpoint is not None:
         result.update(decode_checkpoint(args, device))
     else:
         sources = [valid.src[i].tolist() for i in range(min(args.decode_sentences, len(valid)))]
@@ -292,6 +298,10 @@ def timed_training(args: argparse.Namespace, model: EncoderDecoder, config: Call
             systems[name] = Optimiser(copy.deepcopy(model), tc)
 
     # 1. training speed on the same batches, alternating blocks
+    if args.seen_shapes:  # oneDNN compiles a bf16 kernel per new matrix shape and caches it (nmtflow/__init__.py)
+        for opt in systems.values():
+            for b in timed:
+                opt.step(b)
     seconds, _, _ = alternating_training(systems, warm, timed, args.rounds, device)
     tokens = sum(b.num_tgt_tokens for b in timed)
     train = {name: {"tgt_tokens_per_s": tokens / s, "seconds": s} for name, s in seconds.items()}
@@ -308,6 +318,7 @@ def timed_training(args: argparse.Namespace, model: EncoderDecoder, config: Call
             systems[name].step(b)
     loss = {name: valid_nll(systems[name].model, valid_batches) for name in checked}
     return {"train_config": {"max_tokens": args.max_tokens, "warmup_batches": len(warm), "timed_batches": len(timed),
+                             "seen_shapes": args.seen_shapes,
                              "rounds": args.rounds, "timed_tgt_tokens": tokens, "loss_updates": len(batches),
                              "lr_warmup": args.lr_warmup, "valid_sentences": len(rows)},
             "train": train,

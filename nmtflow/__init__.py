@@ -7,7 +7,14 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import os  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
+
+# oneDNN (PyTorch's bf16 matrix products on the CPU) compiles a kernel for every new matrix shape (~1.5 ms each at
+# sentence sizes) and caches 1,024 of them; token-based batches of one Multi30k epoch need ~1,200, so at the default
+# size the cache never holds an epoch's shapes and every bf16 step compiles anew (``benchmarks/README.md``). Read
+# once, at the first bf16 product, so set here, before any; a value the user set is kept.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
 
 from nmtflow import registry as _registry  # noqa: E402  (imports nothing of nmtflow: no torch, no models)
 

@@ -60,9 +60,11 @@ def warn_if_bf16_emulated(key: str, work: str, device: torch.device) -> None:
 
 def machine_info(device: str | torch.device | None = None, **extra: Any) -> dict[str, Any]:
     """What a benchmark or comparison ran on, for its JSON: system, CPU model and speed flags, CPU count, Python,
-    torch, ``device`` (and its GPU's name where it is one), then ``extra`` (threads, GPU counts, ...)."""
+    torch, oneDNN's kernel cache size (``nmtflow/__init__.py``), ``device`` (and its GPU's name where it is one),
+    then ``extra`` (threads, GPU counts, ...)."""
     info: dict[str, Any] = {"system": platform.system(), "arch": platform.machine(), "cpus": os.cpu_count(),
-                            **cpu_info(), "python": platform.python_version(), "torch": torch.__version__}
+                            **cpu_info(), "python": platform.python_version(), "torch": torch.__version__,
+                            "onednn_primitive_cache": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
     if device is not None:
         info["device"] = str(device)
         resolved = torch.device(device)

@@ -128,3 +128,26 @@ def test_bf16_on_a_cpu_without_native_bf16_is_a_warning(copy_data, tmp_path, mon
     caplog.clear()
     trainer(True, "native")
     assert "without native bf16" not in caplog.text
+
+
+@pytest.mark.skipif(not runtime.cpu_info()["native_bf16"], reason="bf16 products go to oneDNN's AMX/AVX-512 kernels")
+def test_onednns_kernel_cache_holds_more_shapes_than_its_default() -> None:
+    """Importing nmtflow sizes oneDNN's kernel cache for an epoch's batch shapes (``nmtflow/__init__.py``): a second
+    pass over 1,298 shapes compiles nothing, where at oneDNN's own 1,024 (a value the user set is kept) it compiles
+    every one again."""
+    import os
+
+    code = ("import nmtflow, torch\n"
+            "w, x = torch.randn(64, 64, dtype=torch.bfloat16), torch.randn(1300, 64, dtype=torch.bfloat16)\n"
+            "for _ in range(2):\n"
+            "    for n in range(2, 1300):\n"
+            "        x[:n] @ w\n")
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+
+    def compiled(**extra: str) -> int:
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "ONEDNN_VERBOSE": "profile_create", **extra},
+                             check=True, capture_output=True, text=True).stdout
+        return out.count("create:cache_miss")
+
+    assert compiled() == 1298
+    assert compiled(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024") == 2 * 1298
