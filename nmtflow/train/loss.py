@@ -5,10 +5,10 @@ With ``lse_t = log Σ_v exp(z_tv)`` the two terms need no (N,V) log-probability 
     nll_t    = lse_t − z_{t,y_t}          smooth_t = lse_t − (1/V) Σ_v z_tv
     ∂loss/∂z_tv = g_t · (softmax(z_t)_v − (1−ε)·[v = y_t] − ε/V)
 
-so :class:`SmoothedCrossEntropy` computes ``softmax(z)`` once forward (``lse_t = max_v z_tv − log max_v p_tv``,
-exact since the largest probability is ``1/Σ_v exp(z_tv − max z_t)``) and builds the gradient from it with
-two in-place passes backward, where ``log_softmax`` + ``gather`` + ``mean`` autograd builds and zero-fills
-several (N,V) tensors (vocabulary-sized outputs dominate a small model's loss cost).
+so :class:`SmoothedCrossEntropy` computes ``softmax(z)`` once forward (``lse_t = z_{t,y_t} − log p_{t,y_t}`` on the
+CPU, ``max_v z_tv − log max_v p_tv`` where that probability is too small and on GPUs: :func:`log_sum_exp`) and
+builds the gradient from it with two in-place passes backward, where ``log_softmax`` + ``gather`` + ``mean``
+autograd builds and zero-fills several (N,V) tensors (vocabulary-sized outputs dominate a small model's loss cost).
 
 Under ``train.compile`` the same sums are written as plain tensor operations (:func:`smoothed_nll_terms`) and
 compiled: the compiler fuses the cast, the softmax's reductions and the gradient into a few passes over the (N,V)
@@ -32,13 +32,14 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
         z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-        keep = target.ne(PAD).to(z.dtype)
+        kept = target.ne(PAD)
+        keep = kept.to(z.dtype)
         probs = torch.softmax(z, dim=-1)  # (N,V), saved for backward
-        lse = z.amax(-1) - probs.amax(-1).log()  # (N,): log Σ_v exp(z_v)
-        nll = ((lse - z.gather(1, target[:, None]).squeeze(1)) * keep).sum()
+        lse = log_sum_exp(z, probs, target, kept)  # (N,): log Σ_v exp(z_v)
+        nll = torch.where(kept, lse - z.gather(1, target[:, None]).squeeze(1), 0.0).sum()
         loss = (1.0 - epsilon) * nll
         if epsilon:
-            loss = loss + epsilon * ((lse - z.mean(-1)) * keep).sum()
+            loss = loss + epsilon * torch.where(kept, lse - z.mean(-1), 0.0).sum()
         ctx.save_for_backward(probs, target, keep)
         ctx.epsilon, ctx.logits_dtype = epsilon, logits.dtype
         ctx.mark_non_differentiable(nll)
@@ -54,6 +55,28 @@ class SmoothedCrossEntropy(torch.autograd.Function):
             grad.sub_(coef * (eps / probs.size(-1)))
         grad.scatter_add_(1, target[:, None], coef * -(1.0 - eps))
         return grad.to(ctx.logits_dtype), None, None
+
+
+TINY = 1e-30  # below it a float32 probability may be subnormal (< 1.2e-38 soon after): its log no longer exact
+
+
+def log_sum_exp(z: Tensor, probs: Tensor, target: Tensor, kept: Tensor) -> Tensor:
+    """``lse_t = log Σ_v exp(z_tv)`` from ``probs = softmax(z)`` (N,V), exact at any scale of z.
+
+    On the CPU from each row's target: ``lse_t = z_{t,y_t} − log p_{t,y_t}`` (two gathers), and where that
+    probability is too small to take its log exactly, from the row's largest one, ``max_v z_tv − log max_v p_tv``
+    (never below 1/V): two passes over (N,V) fewer than the second form everywhere (13 of 30 ms for 3,840 × 8,000
+    logits on 2 cores). Elsewhere (GPUs) the second form everywhere: the first needs a host sync to find the rows.
+    Rows not ``kept`` (PAD targets) may come out infinite."""
+    if z.device.type != "cpu":
+        return z.amax(-1) - probs.amax(-1).log()
+    index = target[:, None]
+    p_target = probs.gather(1, index).squeeze(1)
+    lse = z.gather(1, index).squeeze(1) - p_target.log()
+    rows = ((p_target < TINY) & kept).nonzero().squeeze(1)
+    if rows.numel():
+        lse[rows] = z[rows].amax(-1) - probs[rows].amax(-1).log()
+    return lse
 
 
 def smoothed_nll_terms(logits: Tensor, target: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:

@@ -48,3 +48,21 @@ def test_low_precision_logits_are_scored_in_float32() -> None:
                           label_smoothing=0.1)
     assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
     torch.testing.assert_close(loss, ref)
+
+
+def test_a_target_far_below_the_rest_gets_its_exact_loss() -> None:
+    """A target whose probability underflows float32 (its log no longer exact, or −inf) still gets the exact loss:
+    those rows take log Σ exp z from the row's largest probability instead of the target's."""
+    logits, target = logits_and_target(torch.float32)
+    with torch.no_grad():
+        logits[1, 2] = 0.0
+        logits[1, 2, target[1, 2]] = -120.0  # p ≈ e^-120: 0 in float32
+        logits[2, 0, target[2, 0]] = -80.0   # ≈ 1.8e-35: below 1e-30, not yet subnormal
+        logits[0, 4] = 500.0                 # a PAD position with a huge logit row: ignored, no inf/nan
+    loss, nll = label_smoothed_nll(logits, target, 0.1)
+    (grad,) = torch.autograd.grad(loss, logits)
+    kwargs = {"ignore_index": PAD, "reduction": "sum"}
+    flat, ref_target = logits.double().reshape(-1, 11), target.reshape(-1)
+    torch.testing.assert_close(loss.double(), F.cross_entropy(flat, ref_target, label_smoothing=0.1, **kwargs))
+    torch.testing.assert_close(nll.double(), F.cross_entropy(flat, ref_target, **kwargs))
+    assert torch.isfinite(grad).all()
