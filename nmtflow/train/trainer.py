@@ -481,6 +481,8 @@ class Trainer:
                    desc="train", unit="upd", dynamic_ncols=True)
         start = time.perf_counter() - p.elapsed
         window_tokens, window_start = 0, time.perf_counter()
+        window_loss = window_nll = 0.0  # token-weighted sums since the last log line, for its means
+        window_updates = 0
         stream = self.batches()
         with _graceful_interrupt() as interrupted:
             while not p.stopped:
@@ -522,13 +524,24 @@ class Trainer:
                     p.bad_updates = 0
                     p.update += 1
                     window_tokens += stats["tokens"]
+                    window_loss += stats["loss"] * stats["tokens"]
+                    window_nll += stats["nll"] * stats["tokens"]
+                    window_updates += 1
                 if not skipped and p.update % tc.log_every == 0:
-                    self.record("train", {k: stats[k] for k in ("loss", "nll", "lr", "gnorm")})
+                    # the update's own loss (exactly the same after a resume) and the means since the last line
+                    # (a multilingual run's batches differ by direction: one batch's loss swings from line to line)
+                    loss_mean, nll_mean = window_loss / max(window_tokens, 1), window_nll / max(window_tokens, 1)
+                    self.record("train", {**{k: stats[k] for k in ("loss", "nll", "lr", "gnorm")},
+                                          "loss_mean": loss_mean, "nll_mean": nll_mean,
+                                          "mean_of_updates": window_updates})
                     speed = window_tokens / max(time.perf_counter() - window_start, 1e-9)
                     window_tokens, window_start = 0, time.perf_counter()
+                    window_loss = window_nll = 0.0
                     self.record("speed", {"tgt_tokens_per_s": speed})
-                    log.info("update %d | epoch %d | loss %.3f | ppl %.2f | lr %.2e | %.0f tok/s", p.update,
-                             p.epoch, stats["loss"], math.exp(min(stats["nll"], 50)), stats["lr"], speed)
+                    log.info("update %d | epoch %d | loss %.3f | ppl %.2f (means of %d updates) | lr %.2e | %.0f tok/s",
+                             p.update, p.epoch, loss_mean, math.exp(min(nll_mean, 50)), window_updates, stats["lr"],
+                             speed)
+                    window_updates = 0
                 bar.update(0 if skipped else 1)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", epoch=p.epoch, refresh=False)
                 if tc.max_epochs is not None and p.epoch > tc.max_epochs:

@@ -85,3 +85,25 @@ def test_early_stopping_and_gradient_accumulation(copy_data: Path, tmp_path: Pat
     assert result.progress.update == 9
     consumed = (result.progress.epoch - 1) * per_epoch + result.progress.position
     assert consumed == 2 * 9  # update_freq=2: two batches per update
+
+
+def test_each_log_line_has_the_means_of_the_updates_since_the_last(copy_data: Path, tmp_path: Path) -> None:
+    """``log.jsonl``'s train entries keep the logged update's own loss and add the token-weighted means since the
+    previous entry (what the console line shows: one batch's loss swings with its direction or length)."""
+    import itertools
+
+    every = Trainer(tiny_config(copy_data, tmp_path / "every", max_updates=12, valid_bleu=False)).train()
+    fours = Trainer(tiny_config(copy_data, tmp_path / "fours", max_updates=12, valid_bleu=False, log_every=4)).train()
+    per_update = {e["update"]: e for e in every.history if e["kind"] == "train"}
+    tokens = [b.num_tgt_tokens for _, _, b in itertools.islice(
+        Trainer(tiny_config(copy_data, tmp_path / "batches", valid_bleu=False)).batches(), 12)]
+    logged = [e for e in fours.history if e["kind"] == "train"]
+    assert [e["update"] for e in logged] == [4, 8, 12] and all(e["mean_of_updates"] == 4 for e in logged)
+    for entry in logged:
+        window = range(entry["update"] - 3, entry["update"] + 1)
+        weights = [tokens[u - 1] for u in window]
+        for key in ("loss", "nll"):
+            mean = sum(per_update[u][key] * w for u, w in zip(window, weights)) / sum(weights)
+            assert entry[f"{key}_mean"] == pytest.approx(mean, rel=1e-6)
+            assert entry[key] == per_update[entry["update"]][key]
+    assert len({round(e["loss_mean"] - e["loss"], 9) for e in logged}) > 1  # the means are not the last losses
