@@ -284,19 +284,22 @@ def write_report(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, Any]
     return files, runs
 
 
-def validation_curves(run: dict[str, Any], metric: str, kind: str = "valid",
+def validation_curves(run: dict[str, Any], metric: str | tuple[str, ...], kind: str = "valid",
                       direction: str | None = None) -> tuple[list[int], list[float]]:
     """``metric`` of the log entries of ``kind`` (valid: validation, train: training) per update, averaged over
-    the run's seeds (of one ``direction`` of a bilingual run trained per direction)."""
+    the run's seeds (of one ``direction`` of a bilingual run trained per direction). Several metrics: the first an
+    entry has (the training loss: its mean since the previous entry, or the update's own in older logs)."""
     from nmtflow.train.trainer import read_log
 
+    names = (metric,) if isinstance(metric, str) else metric
     by_update: dict[int, list[float]] = {}
     for s in run["seeds"]:
         if s.get("direction") != direction:
             continue
         for e in read_log(s["dir"]):
-            if e.get("kind") == kind and metric in e:
-                by_update.setdefault(e["update"], []).append(e[metric])
+            name = next((n for n in names if n in e), None)
+            if e.get("kind") == kind and name is not None:
+                by_update.setdefault(e["update"], []).append(e[name])
     updates = sorted(by_update)
     return updates, [mean(by_update[u]) for u in updates]
 
@@ -313,7 +316,8 @@ def plot_comparison(out: Path, runs: list[dict[str, Any]]) -> list[Path]:
     paths = []
     for name, kind, metric, ylabel in (("valid_bleu.png", "valid", "bleu", "validation BLEU"),
                                        ("valid_loss.png", "valid", "nll", "validation loss (NLL per token)"),
-                                       ("train_loss.png", "train", "loss", "training loss (per token)")):
+                                       ("train_loss.png", "train", ("loss_mean", "loss"),
+                                        "training loss (per token)")):
         fig = Figure(figsize=(6.5, 4), layout="constrained")
         ax = fig.subplots()
         for r in runs:

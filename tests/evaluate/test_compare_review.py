@@ -150,3 +150,20 @@ def test_an_isolated_runs_log_is_written_as_its_output_arrives(tmp_path: Path,
     monkeypatch.setattr(subprocess, "Popen", FakeProcess)
     assert compare._run_isolated(tmp_path / "job.json", tmp_path) == (0, False)
     assert seen == ["", "first\n", "first\nsecond", "first\nsecond\n"]
+
+
+def test_the_training_loss_curve_takes_each_entrys_mean_where_the_log_has_one(tmp_path: Path) -> None:
+    """train_loss.png plots ``loss_mean`` (the mean since the previous log entry) and, in logs written before it
+    existed, the update's own ``loss``."""
+    import json
+
+    from nmtflow.evaluate.compare_report import validation_curves
+
+    entries = [{"kind": "train", "update": 1, "loss": 5.0},  # an older log's entry: no mean
+               {"kind": "train", "update": 2, "loss": 4.0, "loss_mean": 4.5},
+               {"kind": "valid", "update": 2, "nll": 3.0}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
+    run = {"seeds": [{"dir": tmp_path}]}
+    assert validation_curves(run, ("loss_mean", "loss"), "train") == ([1, 2], [5.0, 4.5])
+    assert validation_curves(run, "loss", "train") == ([1, 2], [5.0, 4.0])
+    assert validation_curves(run, "nll") == ([2], [3.0])
