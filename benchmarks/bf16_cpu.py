@@ -198,11 +198,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "seed": args.seed}
     if not args.decode_only:
         result.update(timed_training(args, model, config, work, valid, device))
-    if args.train_only:
-        pass
-    elif args.decode_checkpoint is not None:
+    if args.decode_checkpoint is not None and not args.train_only:
         result.update(decode_checkpoint(args, device))
-    else:
+    elif not args.train_only:
         sources = [valid.src[i].tolist() for i in range(min(args.decode_sentences, len(valid)))]
         result["decode"] = timed_decoding(model, sources, args, device)
         result["config"].update(decode_sentences=len(sources), beam=args.beam,

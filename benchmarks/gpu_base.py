@@ -27,6 +27,7 @@ is after the first steps of a real training; that pass's time is reported apart.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from dataclasses import replace
@@ -154,10 +155,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               ffn_dim=cfg.model.ffn_dim, dropout=cfg.model.dropout)
     systems = {"nmtflow": Optimiser(ours, cfg.train),
                "reference_nn_transformer": Optimiser(ReferenceTransformer(ref_cfg, vocab).to(device), cfg.train)}
-    for spec in args.sdpa:  # after the reference: the same initial weights as "nmtflow" from the same seed
-        torch.manual_seed(args.seed)
-        model = build_model(cfg.model, Vocabularies(vocab, vocab, joint=True)).to(device)
-        systems[f"nmtflow_sdpa_{spec}"] = BackendOptimiser(model, cfg.train,
+    for spec in args.sdpa:  # copies of "nmtflow"'s untrained model
+        systems[f"nmtflow_sdpa_{spec}"] = BackendOptimiser(copy.deepcopy(ours), cfg.train,
                                                            [SDPA_BACKENDS[n] for n in spec.split("+")])
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     timed_tokens = sum(b.num_tgt_tokens for b in timed)

@@ -297,8 +297,8 @@ def validation_curves(run: dict[str, Any], metric: str | tuple[str, ...], kind: 
         if s.get("direction") != direction:
             continue
         for e in read_log(s["dir"]):
-            name = next((n for n in names if n in e), None)
-            if e.get("kind") == kind and name is not None:
+            name = next((n for n in names if n in e), None) if e.get("kind") == kind else None
+            if name is not None:
                 by_update.setdefault(e["update"], []).append(e[name])
     updates = sorted(by_update)
     return updates, [mean(by_update[u]) for u in updates]

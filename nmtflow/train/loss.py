@@ -35,8 +35,9 @@ class SmoothedCrossEntropy(torch.autograd.Function):
         kept = target.ne(PAD)
         keep = kept.to(z.dtype)
         probs = torch.softmax(z, dim=-1)  # (N,V), saved for backward
-        lse = log_sum_exp(z, probs, target, kept)  # (N,): log Σ_v exp(z_v)
-        nll = torch.where(kept, lse - z.gather(1, target[:, None]).squeeze(1), 0.0).sum()
+        z_target = z.gather(1, target[:, None]).squeeze(1)
+        lse = log_sum_exp(z, probs, target, z_target, kept)  # (N,): log Σ_v exp(z_v)
+        nll = torch.where(kept, lse - z_target, 0.0).sum()
         loss = (1.0 - epsilon) * nll
         if epsilon:
             loss = loss + epsilon * torch.where(kept, lse - z.mean(-1), 0.0).sum()
@@ -60,8 +61,9 @@ class SmoothedCrossEntropy(torch.autograd.Function):
 TINY = 1e-30  # below it a float32 probability may be subnormal (< 1.2e-38 soon after): its log no longer exact
 
 
-def log_sum_exp(z: Tensor, probs: Tensor, target: Tensor, kept: Tensor) -> Tensor:
-    """``lse_t = log Σ_v exp(z_tv)`` from ``probs = softmax(z)`` (N,V), exact at any scale of z.
+def log_sum_exp(z: Tensor, probs: Tensor, target: Tensor, z_target: Tensor, kept: Tensor) -> Tensor:
+    """``lse_t = log Σ_v exp(z_tv)`` from ``probs = softmax(z)`` (N,V) and ``z_target = z_{t,y_t}``, exact at any
+    scale of z.
 
     On the CPU from each row's target: ``lse_t = z_{t,y_t} − log p_{t,y_t}`` (two gathers), and where that
     probability is too small to take its log exactly, from the row's largest one, ``max_v z_tv − log max_v p_tv``
@@ -70,9 +72,8 @@ def log_sum_exp(z: Tensor, probs: Tensor, target: Tensor, kept: Tensor) -> Tenso
     Rows not ``kept`` (PAD targets) may come out infinite."""
     if z.device.type != "cpu":
         return z.amax(-1) - probs.amax(-1).log()
-    index = target[:, None]
-    p_target = probs.gather(1, index).squeeze(1)
-    lse = z.gather(1, index).squeeze(1) - p_target.log()
+    p_target = probs.gather(1, target[:, None]).squeeze(1)
+    lse = z_target - p_target.log()
     rows = ((p_target < TINY) & kept).nonzero().squeeze(1)
     if rows.numel():
         lse[rows] = z[rows].amax(-1) - probs[rows].amax(-1).log()

@@ -480,9 +480,8 @@ class Trainer:
         bar = tqdm(total=tc.max_updates, initial=p.update, disable=not (tc.progress and self.dist.is_main) or None,
                    desc="train", unit="upd", dynamic_ncols=True)
         start = time.perf_counter() - p.elapsed
-        window_tokens, window_start = 0, time.perf_counter()
-        window_loss = window_nll = 0.0  # token-weighted sums since the last log line, for its means
-        window_updates = 0
+        window_start = time.perf_counter()
+        window = dict.fromkeys(("updates", "tokens", "loss", "nll"), 0.0)  # since the last log line (token-weighted)
         stream = self.batches()
         with _graceful_interrupt() as interrupted:
             while not p.stopped:
@@ -523,25 +522,22 @@ class Trainer:
                 else:
                     p.bad_updates = 0
                     p.update += 1
-                    window_tokens += stats["tokens"]
-                    window_loss += stats["loss"] * stats["tokens"]
-                    window_nll += stats["nll"] * stats["tokens"]
-                    window_updates += 1
+                    window["updates"] += 1
+                    window["tokens"] += stats["tokens"]
+                    window["loss"] += stats["loss"] * stats["tokens"]
+                    window["nll"] += stats["nll"] * stats["tokens"]
                 if not skipped and p.update % tc.log_every == 0:
                     # the update's own loss (exactly the same after a resume) and the means since the last line
                     # (a multilingual run's batches differ by direction: one batch's loss swings from line to line)
-                    loss_mean, nll_mean = window_loss / max(window_tokens, 1), window_nll / max(window_tokens, 1)
+                    tokens, updates = max(window["tokens"], 1), int(window["updates"])
+                    loss_mean, nll_mean = window["loss"] / tokens, window["nll"] / tokens
+                    speed = window["tokens"] / max(time.perf_counter() - window_start, 1e-9)
+                    window, window_start = dict.fromkeys(window, 0.0), time.perf_counter()
                     self.record("train", {**{k: stats[k] for k in ("loss", "nll", "lr", "gnorm")},
-                                          "loss_mean": loss_mean, "nll_mean": nll_mean,
-                                          "mean_of_updates": window_updates})
-                    speed = window_tokens / max(time.perf_counter() - window_start, 1e-9)
-                    window_tokens, window_start = 0, time.perf_counter()
-                    window_loss = window_nll = 0.0
+                                          "loss_mean": loss_mean, "nll_mean": nll_mean, "mean_of_updates": updates})
                     self.record("speed", {"tgt_tokens_per_s": speed})
                     log.info("update %d | epoch %d | loss %.3f | ppl %.2f (means of %d updates) | lr %.2e | %.0f tok/s",
-                             p.update, p.epoch, loss_mean, math.exp(min(nll_mean, 50)), window_updates, stats["lr"],
-                             speed)
-                    window_updates = 0
+                             p.update, p.epoch, loss_mean, math.exp(min(nll_mean, 50)), updates, stats["lr"], speed)
                 bar.update(0 if skipped else 1)
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", epoch=p.epoch, refresh=False)
                 if tc.max_epochs is not None and p.epoch > tc.max_epochs:
