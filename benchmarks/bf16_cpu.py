@@ -135,7 +135,8 @@ def timed_decoding(model: EncoderDecoder, sources: list[list[int]], args: argpar
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--data", type=Path, required=True, help="directory with train.LANG and val.LANG")
+    p.add_argument("--data", type=Path, help="directory with train.LANG and val.LANG (needed unless the CPU lacks "
+                   "native bf16, where the script only records that, or with --decode-checkpoint --decode-only)")
     p.add_argument("--work", type=Path, help="prepared-data cache (default runs/bench-data-SRC-TGT, as throughput.py)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/bf16-cpu.json"))
     p.add_argument("--preset", default="small", choices=["small", "base"])
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(result["skipped"])
         return result
 
+    if args.data is None and not (args.decode_checkpoint is not None and args.decode_only):
+        p.error("--data is required (a directory with train.LANG and val.LANG)")
     if args.decode_checkpoint is not None and args.decode_only:  # no prepared data needed
         result.update(decode_checkpoint(args, device))
         result["load_average_after"] = os.getloadavg()

@@ -562,6 +562,11 @@ def cmd_compare(args: argparse.Namespace) -> None:
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
     if only == []:
         raise ValueError(f"--only {args.only!r}: name one or more runs of the experiment, e.g. --only NAME,NAME")
+    if args.status:
+        from nmtflow.evaluate.compare_status import show_status
+
+        print(show_status(args.experiment, out=args.out, overrides=args.set, only=only))
+        return
     result = run_comparison(args.experiment, out=args.out, overrides=args.set, plugins=args.plugin, only=only)
     print(result.table)
     print(f"results: {result.out / 'results.md'}")
@@ -625,6 +630,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output directory (default: runs/compare-NAME); rerunning resumes it")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. data.path=DIR")
     p.add_argument("--only", metavar="NAME,NAME", help="train and report only these runs of the experiment")
+    p.add_argument("--status", action="store_true", help="train nothing: show where each run stands (state, "
+                   "updates of its budget, speed, time left, last validation BLEU per direction)")
 
     p = sub.add_parser("corpus", help="write the built-in synthetic multilingual corpus")
     p.add_argument("out")

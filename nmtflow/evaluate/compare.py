@@ -404,17 +404,29 @@ def _eval_key(ev: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def model_directions(exp: ExperimentConfig, index: int) -> list[str | None]:
+    """The directions run ``index`` trains one model each for: a bilingual run with its own directions (or a
+    ``per_direction`` one) trains one per direction, each in its own directory; otherwise ``[None]``, one model."""
+    run = exp.runs[index]
+    if not run.directions:
+        return [None]
+    multilingual = load_run_config(exp, index).data.multilingual is not None
+    return list(run.directions) if run.per_direction or not multilingual else [None]
+
+
+def job_dir(out: Path, name: str, direction: str | None, seed: int) -> Path:
+    """``OUT/runs/NAME/[DIRECTION/]seed-S``: where one job trains."""
+    return out / "runs" / name / (direction or "") / f"seed-{seed}"
+
+
 def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
               plugins: list[str] | None = None) -> list[dict[str, Any]]:
     """One job per (run, seed), in run order; fails early if a run directory holds another config's run."""
     jobs = []
     for index, run in enumerate(exp.runs):
         multilingual = load_run_config(exp, index).data.multilingual is not None
-        # a bilingual run with its own directions (or a per_direction one): one model per direction, each in its
-        # own directory
-        per_direction = run.directions if run.directions and (run.per_direction or not multilingual) else [None]
-        for direction, seed in ((d, seed) for d in per_direction for seed in exp.seeds):
-            run_dir = (out / "runs" / run.name / (direction or "") / f"seed-{seed}").resolve()
+        for direction, seed in ((d, seed) for d in model_directions(exp, index) for seed in exp.seeds):
+            run_dir = job_dir(out, run.name, direction, seed).resolve()
             config = run_config(exp, index, seed, data, run_dir, direction)
             config_dict = to_dict(config)
             fp = fingerprint(config_dict)
@@ -615,6 +627,11 @@ def decode_ensembles(exp: ExperimentConfig, out: Path, outcomes: list[dict[str, 
     return ensembles
 
 
+def comparison_dir(exp: ExperimentConfig, out: str | Path | None) -> Path:
+    """``--out``, by default ``runs/compare-NAME``."""
+    return Path(out) if out else Path("runs") / f"compare-{exp.name}"
+
+
 def run_comparison(experiment: str | Path, out: str | Path | None = None, overrides: list[str] | None = None,
                    plugins: list[str] | None = None, only: list[str] | None = None) -> ComparisonResult:
     """Run (or continue) a comparison and write its report; raises KeyboardInterrupt if it was interrupted.
@@ -627,7 +644,7 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
     exp = load_experiment(experiment, overrides)
     if only:
         exp.select(only)
-    out = Path(out) if out else Path("runs") / f"compare-{exp.name}"
+    out = comparison_dir(exp, out)
     command = shlex.join(["nmtflow", *[a for p in plugins for a in ("--plugin", p)], "compare", str(experiment),
                           "--out", str(out), *[a for o in overrides for a in ("--set", o)],
                           *(["--only", ",".join(only)] if only else [])])

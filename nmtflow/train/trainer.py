@@ -483,6 +483,7 @@ class Trainer:
         window_start = time.perf_counter()
         window = dict.fromkeys(("updates", "tokens", "loss", "nll"), 0.0)  # since the last log line (token-weighted)
         stream = self.batches()
+        started = False
         with _graceful_interrupt() as interrupted:
             while not p.stopped:
                 reason = self.budget_spent()
@@ -493,6 +494,10 @@ class Trainer:
                         # lowered since; like any budget's last validation, it does not count for patience
                         self.save(best=self.validate(scheduled=False))
                     break
+                if not started:  # what `nmtflow compare --status` needs for a run's total and its ETA
+                    self.record("start", {"batches_per_epoch": len(self.epoch_batches(p.epoch)),
+                                          "elapsed": p.elapsed})
+                    started = True
                 group = self.next_group(stream)
                 stats = self.train_step([b for _, _, b in group])
                 p.epoch, p.position = group[-1][0], group[-1][1]
@@ -535,7 +540,7 @@ class Trainer:
                     window, window_start = dict.fromkeys(window, 0.0), time.perf_counter()
                     self.record("train", {**{k: stats[k] for k in ("loss", "nll", "lr", "gnorm")},
                                           "loss_mean": loss_mean, "nll_mean": nll_mean, "mean_of_updates": updates})
-                    self.record("speed", {"tgt_tokens_per_s": speed})
+                    self.record("speed", {"tgt_tokens_per_s": speed, "elapsed": p.elapsed})
                     log.info("update %d | epoch %d | loss %.3f | ppl %.2f (means of %d updates) | lr %.2e | %.0f tok/s",
                              p.update, p.epoch, loss_mean, math.exp(min(nll_mean, 50)), updates, stats["lr"], speed)
                 bar.update(0 if skipped else 1)

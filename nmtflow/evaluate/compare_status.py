@@ -1,0 +1,205 @@
+"""Where a comparison stands while it runs: ``nmtflow compare EXP --status`` (reads its files, trains nothing).
+
+Per (run, direction, seed) of the experiment, from the run directory alone (``job.json``, ``log.jsonl``, the
+markers :mod:`nmtflow.evaluate.compare_job` writes, the save dir's ``.lock``): its state (done, training,
+interrupted, failed, not started), the updates done out of its budget's total, the epoch, the last logged speed,
+the training time so far and the time left at that rate, and its last validation (greedy BLEU, the mean over the
+trained directions for a multilingual run, whose per-direction scores, zero-shot ones marked, follow in a
+second table). The total of an epoch budget is ``epochs × batches per epoch`` (the ``start`` entry the trainer
+logs when it starts or resumes; the process output ``train.log`` for logs written before that entry existed);
+the time left is ``training seconds per update so far × updates left`` (validation included; time spent
+stopped is not).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from nmtflow.evaluate.compare_job import FINISHED, TRAINED
+from nmtflow.evaluate.experiment import ExperimentConfig
+
+_BATCHES_LINE = re.compile(r"(\d+) batches per epoch")
+
+
+@dataclass
+class RunStatus:
+    """One run directory's progress, as :func:`run_status` reads it."""
+
+    name: str
+    dir: Path
+    state: str = "not started"
+    update: int = 0
+    total: int | None = None  # updates the budget allows (None: a time budget, or unknown)
+    epoch: int | None = None
+    tokens_per_s: float | None = None
+    elapsed: float | None = None  # training seconds so far (validation included)
+    valid_update: int | None = None
+    valid_bleu: float | None = None  # the last validation's greedy BLEU (multilingual: supervised mean)
+    best_bleu: float | None = None
+    directions: dict[str, float] = field(default_factory=dict)  # the last validation, per direction
+    zero_shot: list[str] = field(default_factory=list)
+
+    @property
+    def seconds_left(self) -> float | None:
+        if self.state not in ("training", "interrupted"):
+            return None
+        if not self.total or not self.elapsed or self.update <= 0:
+            return None
+        return max(self.total - self.update, 0) * self.elapsed / self.update
+
+
+def _entries(path: Path) -> list[dict[str, Any]]:
+    """``log.jsonl``'s entries; a torn last line (a write cut short) is left out."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            out.append(entry)
+    return out
+
+
+def _training_pid(run_dir: Path) -> int | None:
+    """The pid written in the save dir's ``.lock`` if that process is alive (the lock is not probed: taking it,
+    even for a moment, could refuse a training that is starting)."""
+    try:
+        pid = int((run_dir / ".lock").read_text(encoding="ascii").strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def _zero_shot(run_dir: Path) -> list[str]:
+    try:
+        config = yaml.safe_load((run_dir / "run.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):
+        return []
+    multilingual = (config.get("data") or {}).get("multilingual") or {}
+    return [str(d) for d in multilingual.get("zero_shot") or []]
+
+
+def run_status(name: str, run_dir: Path) -> RunStatus:
+    """The progress of the run in ``run_dir`` (a comparison's ``runs/NAME/[DIRECTION/]seed-S``)."""
+    s = RunStatus(name=name, dir=run_dir)
+    if not run_dir.is_dir():
+        return s
+    entries = _entries(run_dir / "log.jsonl")
+    job: dict[str, Any] = {}
+    try:
+        job = json.loads((run_dir / "job.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    if (run_dir / FINISHED).is_file():
+        s.state = "done"
+    elif _training_pid(run_dir) is not None:
+        s.state = "training"
+    elif (run_dir / TRAINED).is_file():
+        s.state = "trained, not decoded"
+    elif (run_dir / "error.log").is_file():
+        s.state = "failed"
+    elif entries or (run_dir / "checkpoint_last.pt").is_file():
+        s.state = "interrupted"
+    s.update = max((int(e.get("update", 0)) for e in entries), default=0)
+    starts = [e for e in entries if e.get("kind") == "start"]
+    batches = int(starts[-1]["batches_per_epoch"]) if starts else None
+    if batches is None and (run_dir / "train.log").is_file():  # logs from before the start entry
+        found = _BATCHES_LINE.findall((run_dir / "train.log").read_text(encoding="utf-8", errors="replace"))
+        batches = int(found[-1]) if found else None
+    budget = job.get("budget") or {}
+    totals = [int(budget["updates"])] if budget.get("updates") else []
+    if budget.get("epochs") and batches:
+        totals.append(int(budget["epochs"]) * batches)
+    s.total = min(totals) if totals else None
+    if batches:
+        s.epoch = s.update // batches + 1
+        if budget.get("epochs"):
+            s.epoch = min(s.epoch, int(budget["epochs"]))
+    speeds = [e for e in entries if e.get("kind") == "speed"]
+    if speeds:
+        s.tokens_per_s = float(speeds[-1]["tgt_tokens_per_s"])
+        if "elapsed" in speeds[-1]:
+            s.elapsed = float(speeds[-1]["elapsed"])
+    valid = [e for e in entries if e.get("kind") == "valid" and "bleu" in e]
+    if valid:
+        s.valid_update, s.valid_bleu = int(valid[-1]["update"]), float(valid[-1]["bleu"])
+        s.best_bleu = max(float(e["bleu"]) for e in valid)
+    per = [e for e in entries if e.get("kind") == "valid_directions" and any(k.startswith("bleu.") for k in e)]
+    if per:
+        s.directions = {k[len("bleu."):]: float(v) for k, v in per[-1].items() if k.startswith("bleu.")}
+        s.zero_shot = _zero_shot(run_dir)
+    return s
+
+
+def show_status(experiment: str | Path, out: str | Path | None = None, overrides: list[str] | None = None,
+                only: list[str] | None = None) -> str:
+    """``nmtflow compare EXP --status``: the table of :func:`status_table` for the comparison in ``out``."""
+    from nmtflow.evaluate.compare import comparison_dir
+    from nmtflow.evaluate.experiment import load_experiment
+
+    exp = load_experiment(experiment, overrides)
+    if only:
+        exp.select(only)
+    out = comparison_dir(exp, out)
+    if not (out / "runs").is_dir():
+        raise FileNotFoundError(f"{out}: no comparison has run there yet (nmtflow compare {experiment} --out {out} "
+                                "starts one)")
+    return status_table(comparison_status(exp, out))
+
+
+def comparison_status(exp: ExperimentConfig, out: Path) -> list[RunStatus]:
+    """Every (run, direction, seed) of ``exp`` (after ``--only``) in the comparison directory ``out``, in run
+    order, a run not started yet as ``not started``."""
+    from nmtflow.evaluate.compare import job_dir, model_directions
+
+    return [run_status(f"{run.name}{f' {direction}' if direction else ''} (seed {seed})",
+                       job_dir(out, run.name, direction, seed))
+            for index, run in enumerate(exp.runs) for direction in model_directions(exp, index)
+            for seed in exp.seeds]
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    minutes = int(round(seconds / 60))
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
+
+
+def _number(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "" if x is None else fmt.format(x)
+
+
+def status_table(statuses: list[RunStatus]) -> str:
+    """A Markdown table of the runs, then one of the last validation's per-direction BLEU of each multilingual
+    run (zero-shot directions marked ``*``)."""
+    lines = ["| run | state | update | of | epoch | tok/s | trained | left (at that rate) | last valid BLEU (update) "
+             "| best |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for s in statuses:
+        done = f" ({100 * s.update / s.total:.1f}%)" if s.total else ""
+        valid = f"{s.valid_bleu:.2f} ({s.valid_update:,})" if s.valid_bleu is not None else ""
+        lines.append(f"| {s.name} | {s.state} | {s.update:,}{done} | {_number(s.total, '{:,}')} | "
+                     f"{_number(s.epoch, '{}')} | {_number(s.tokens_per_s, '{:,.0f}')} | "
+                     f"{_duration(s.elapsed) if s.elapsed is not None else ''} | "
+                     f"{_duration(s.seconds_left) if s.seconds_left is not None else ''} | {valid} | "
+                     f"{_number(s.best_bleu)} |")
+    for s in statuses:
+        if not s.directions:
+            continue
+        names = list(s.directions)
+        lines += ["", f"{s.name}, greedy validation BLEU per direction at update {s.valid_update or s.update:,}"
+                      + (" (* zero-shot)" if any(d in s.zero_shot for d in names) else "") + ":", "",
+                  "| " + " | ".join(d + ("*" if d in s.zero_shot else "") for d in names) + " |",
+                  "|" + " ---: |" * len(names),
+                  "| " + " | ".join(f"{s.directions[d]:.2f}" for d in names) + " |"]
+    return "\n".join(lines)
