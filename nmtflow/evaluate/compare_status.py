@@ -7,8 +7,8 @@ the training time so far and the time left at that rate, and its last validation
 trained directions for a multilingual run, whose per-direction scores, zero-shot ones marked, follow in a
 second table). The total of an epoch budget is ``epochs × batches per epoch`` (the ``start`` entry the trainer
 logs when it starts or resumes; the process output ``train.log`` for logs written before that entry existed);
-the time left is ``training seconds per update so far × updates left`` (validation included; time spent
-stopped is not).
+the time left is ``updates left × training seconds per update`` since the run last started or resumed
+(validation included; the time between a stop and the resume is not).
 """
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ class RunStatus:
     epoch: int | None = None
     tokens_per_s: float | None = None
     elapsed: float | None = None  # training seconds so far (validation included)
+    rate_from: tuple[int, float] = (0, 0.0)  # (update, elapsed) the time left is reckoned from: the last start
     valid_update: int | None = None
     valid_bleu: float | None = None  # the last validation's greedy BLEU (multilingual: supervised mean)
     best_bleu: float | None = None
@@ -50,9 +51,10 @@ class RunStatus:
     def seconds_left(self) -> float | None:
         if self.state not in ("training", "interrupted"):
             return None
-        if not self.total or not self.elapsed or self.update <= 0:
+        done, seconds = self.update - self.rate_from[0], (self.elapsed or 0.0) - self.rate_from[1]
+        if not self.total or done <= 0 or seconds <= 0:
             return None
-        return max(self.total - self.update, 0) * self.elapsed / self.update
+        return max(self.total - self.update, 0) * seconds / done
 
 
 def _entries(path: Path) -> list[dict[str, Any]]:
@@ -131,6 +133,8 @@ def run_status(name: str, run_dir: Path) -> RunStatus:
         s.tokens_per_s = float(speeds[-1]["tgt_tokens_per_s"])
         if "elapsed" in speeds[-1]:
             s.elapsed = float(speeds[-1]["elapsed"])
+            if starts and int(starts[-1]["update"]) < int(speeds[-1]["update"]):  # this process's own pace
+                s.rate_from = (int(starts[-1]["update"]), float(starts[-1]["elapsed"]))
     valid = [e for e in entries if e.get("kind") == "valid" and "bleu" in e]
     if valid:
         s.valid_update, s.valid_bleu = int(valid[-1]["update"]), float(valid[-1]["bleu"])

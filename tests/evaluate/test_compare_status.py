@@ -112,6 +112,11 @@ def test_a_run_in_progress_its_time_left_and_its_directions(tmp_path: Path) -> N
     assert "| multi (seed 1) | training | 150 (50.0%) | 300 | 2 | 850 | 5 min | 5 min | 18.50 (150) | 20.00 |" in table
     assert "| de-en | de-fr* |" in table and "| 18.50 | 2.25 |" in table
 
+    # resumed at update 100 after a stop: the time left at the pace since then (not over the whole run)
+    write_run(run, [{"kind": "start", "update": 0, "batches_per_epoch": 100, "elapsed": 0.0}, *PROGRESS[:2],
+                    {"kind": "start", "update": 100, "batches_per_epoch": 100, "elapsed": 240.0}, *PROGRESS[2:]],
+              pid=os.getpid())
+    assert run_status("multi", run).seconds_left == pytest.approx(150 * (300 - 240) / (150 - 100))
     # the process that held the lock is gone: interrupted (it resumes), time left still shown
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
