@@ -31,7 +31,7 @@ from torch import Tensor
 
 from nmtflow.config import load_config
 from nmtflow.nn import shortcuts
-from nmtflow.runtime import keep_freed_memory
+from nmtflow.runtime import keep_freed_memory, machine_info
 from shortcuts import add_system_args, build_systems
 from throughput import (add_common_args, default_work, interleaved_median_ms, prepared_data, slowdown_interval,
                         timed_training, training_batches)
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gates = {"c": c_gates(lib), "operators": (shortcuts.PairGate, shortcuts.FusedGate)}
     d = load_config(data={"model": {"name": "transformer", "preset": args.preset}}).model.d_model
     settings = {k: v for k, v in vars(args).items() if k not in ("data", "work", "out")}  # no local paths
-    result: dict[str, Any] = {"config": {"data": args.data.name, **settings, "torch": torch.__version__,
+    result: dict[str, Any] = {"machine": machine_info(device, threads=torch.get_num_threads()),
+                              "config": {"data": args.data.name, **settings, "torch": torch.__version__,
                                          "threads": torch.get_num_threads()},
                               **gate_checks_and_times(gates, args.gate_tokens, d, args.gate_repeats)}
     vocab = prepared_data(args, work := (args.work or default_work(args)))

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from nmtflow.nn.shortcuts import PairGate
-from nmtflow.runtime import keep_freed_memory
+from nmtflow.runtime import keep_freed_memory, machine_info
 from throughput import interleaved_median_ms
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     cases["copy_of_least_traffic"] = lambda: source.clone()  # reads 6·N·d floats and writes as many
     ms = interleaved_median_ms(cases, args.repeats)  # the warm-up compiles too
     floor_mib = 12 * n * d * 4 / 2 ** 20
-    result = {"config": {"tokens": n, "d_model": d, "threads": torch.get_num_threads(), "repeats": args.repeats,
+    result = {"machine": machine_info("cpu", threads=torch.get_num_threads()), "config": {"tokens": n, "d_model": d, "threads": torch.get_num_threads(), "repeats": args.repeats,
                          "torch": torch.__version__},
               "median_ms": ms, "least_traffic_mib": floor_mib,
               "copy_gib_per_s": floor_mib / 1024 / (ms["copy_of_least_traffic"] / 1e3),

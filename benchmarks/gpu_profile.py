@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from nmtflow.runtime import machine_info
 from shortcuts import SYSTEMS, add_system_args, build_systems
 from throughput import Optimiser, add_common_args, default_work, prepared_data, timed_training, training_batches
 
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     work = args.work or default_work(args)
     vocab = prepared_data(args, work)
     batches = training_batches(work, args, args.warmup + args.steps, device)
-    result: dict[str, Any] = {"config": {"preset": args.preset, "layers": args.layers, "precision": args.precision,
+    result: dict[str, Any] = {"machine": machine_info(device, threads=torch.get_num_threads()),
+                              "config": {"preset": args.preset, "layers": args.layers, "precision": args.precision,
                                          "max_tokens": args.max_tokens, "vocab_size": vocab, "steps": args.steps,
                                          "threads": torch.get_num_threads(),
                                          "torch": torch.__version__, "gpu": torch.cuda.get_device_name(device)}}
