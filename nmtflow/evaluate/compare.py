@@ -656,8 +656,8 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
     data = prepare_data(exp, out)
     check_data_identity(out, data)
     jobs = plan_jobs(exp, out, data, plugins)
-    log.info("comparing %d runs × %d seeds (%d trainings; %s) in %s", len(exp.runs), len(exp.seeds), len(jobs),
-             exp.budget.describe(), out)
+    log.info("comparing %d runs × %d seeds (%d trainings; %s) in %s; where they stand, from another shell: %s "
+             "--status", len(exp.runs), len(exp.seeds), len(jobs), exp.budget.describe(), out, command)
     interrupted = False
     status_of: dict[str, tuple[str, dict[str, Any] | None, str]] = {}
 

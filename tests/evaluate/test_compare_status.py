@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -44,11 +46,15 @@ def rows(table: str) -> dict[str, list[str]]:
             for cells in [[c.strip() for c in line.strip().strip("|").split("|")]]}
 
 
-def test_a_finished_run_and_one_not_started(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_finished_run_and_one_not_started(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            caplog: pytest.LogCaptureFixture) -> None:
     exp = tmp_path / "tiny.yaml"
     exp.write_text(TINY, encoding="utf-8")
     out = tmp_path / "out"
-    run_comparison(exp, out=out, only=["first"])
+    with caplog.at_level(logging.INFO, logger="nmtflow.compare"):
+        run_comparison(exp, out=out, only=["first"])
+    hint = caplog.text.split("where they stand, from another shell: ")[1].splitlines()[0]
+    assert shlex.split(hint)[:2] == ["nmtflow", "compare"] and hint.endswith(" --only first --status")
     log = read_log(out / "runs" / "first" / "seed-1")
     start = [e for e in log if e["kind"] == "start"]
     assert len(start) == 1 and start[0]["update"] == 0 and start[0]["elapsed"] == 0
@@ -65,6 +71,8 @@ def test_a_finished_run_and_one_not_started(tmp_path: Path, capsys: pytest.Captu
     printed = capsys.readouterr().out
     assert "second (seed 1) | not started" in printed and "first" not in printed
     assert not (out / "runs" / "second").exists()  # --status trains nothing
+    assert main(shlex.split(hint)[1:]) == 0  # the command the comparison logged
+    assert "first (seed 1) | done" in capsys.readouterr().out
 
 
 def test_status_of_a_directory_without_a_comparison_is_a_clear_error(tmp_path: Path,
