@@ -7,8 +7,9 @@ the training time so far and the time left at that rate, and its last validation
 trained directions for a multilingual run, whose per-direction scores, zero-shot ones marked, follow in a
 second table). The total of an epoch budget is ``epochs × batches per epoch`` (the ``start`` entry the trainer
 logs when it starts or resumes; the process output ``train.log`` for logs written before that entry existed);
-the time left is ``updates left × training seconds per update`` since the run last started or resumed
-(validation included; the time between a stop and the resume is not).
+the time left is ``updates left × training seconds per update`` since the run last started or resumed, the
+median over the intervals between its log lines (so neither a validation nor a spell with the process stopped
+skews it; the time between a stop and the resume is not counted at all).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 import math
 import os
 import re
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ class RunStatus:
     epoch: int | None = None
     tokens_per_s: float | None = None
     elapsed: float | None = None  # training seconds so far (validation included)
-    rate_from: tuple[int, float] = (0, 0.0)  # (update, elapsed) the time left is reckoned from: the last start
+    seconds_per_update: float | None = None  # the pace the time left is reckoned at
     valid_update: int | None = None
     valid_bleu: float | None = None  # the last validation's greedy BLEU (multilingual: supervised mean)
     best_bleu: float | None = None
@@ -51,10 +53,9 @@ class RunStatus:
     def seconds_left(self) -> float | None:
         if self.state not in ("training", "interrupted"):
             return None
-        done, seconds = self.update - self.rate_from[0], (self.elapsed or 0.0) - self.rate_from[1]
-        if not self.total or done <= 0 or seconds <= 0:
+        if not self.total or not self.seconds_per_update:
             return None
-        return max(self.total - self.update, 0) * seconds / done
+        return max(self.total - self.update, 0) * self.seconds_per_update
 
 
 def _entries(path: Path) -> list[dict[str, Any]]:
@@ -90,6 +91,21 @@ def _zero_shot(run_dir: Path) -> list[str]:
         return []
     multilingual = (config.get("data") or {}).get("multilingual") or {}
     return [str(d) for d in multilingual.get("zero_shot") or []]
+
+
+def _pace(starts: list[dict[str, Any]], speeds: list[dict[str, Any]]) -> float | None:
+    """Training seconds per update since the run last started: the median over the log lines' intervals (a
+    validation, or a process stopped for a while, lengthens one interval, not the estimate); with fewer than three
+    intervals, their mean."""
+    first = int(starts[-1]["update"]) if starts else 0
+    points = [(first, float(starts[-1]["elapsed"]))] if starts else [(0, 0.0)]
+    points += [(int(e["update"]), float(e["elapsed"])) for e in speeds if "elapsed" in e and int(e["update"]) > first]
+    paces = [(t1 - t0) / (u1 - u0) for (u0, t0), (u1, t1) in zip(points, points[1:]) if u1 > u0 and t1 >= t0]
+    if not paces:
+        return None
+    if len(paces) < 3:
+        return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+    return statistics.median(paces)
 
 
 def run_status(name: str, run_dir: Path) -> RunStatus:
@@ -133,8 +149,7 @@ def run_status(name: str, run_dir: Path) -> RunStatus:
         s.tokens_per_s = float(speeds[-1]["tgt_tokens_per_s"])
         if "elapsed" in speeds[-1]:
             s.elapsed = float(speeds[-1]["elapsed"])
-            if starts and int(starts[-1]["update"]) < int(speeds[-1]["update"]):  # this process's own pace
-                s.rate_from = (int(starts[-1]["update"]), float(starts[-1]["elapsed"]))
+            s.seconds_per_update = _pace(starts, speeds)
     valid = [e for e in entries if e.get("kind") == "valid" and "bleu" in e]
     if valid:
         s.valid_update, s.valid_bleu = int(valid[-1]["update"]), float(valid[-1]["bleu"])

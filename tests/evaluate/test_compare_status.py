@@ -125,6 +125,12 @@ def test_a_run_in_progress_its_time_left_and_its_directions(tmp_path: Path) -> N
                     {"kind": "start", "update": 100, "batches_per_epoch": 100, "elapsed": 240.0}, *PROGRESS[2:]],
               pid=os.getpid())
     assert run_status("multi", run).seconds_left == pytest.approx(150 * (300 - 240) / (150 - 100))
+    # with more log lines, the median interval: one line after a long pause does not skew it
+    steady = [{"kind": "speed", "update": u, "tgt_tokens_per_s": 900.0, "elapsed": 2.0 * u} for u in (10, 20, 30)]
+    paused = {"kind": "speed", "update": 40, "tgt_tokens_per_s": 90.0, "elapsed": 60.0 + 2000.0}
+    write_run(run, [{"kind": "start", "update": 0, "batches_per_epoch": 100, "elapsed": 0.0}, *steady, paused],
+              pid=os.getpid())
+    assert run_status("multi", run).seconds_left == pytest.approx((300 - 40) * 2.0)
     # the process that held the lock is gone: interrupted (it resumes), time left still shown
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
