@@ -176,9 +176,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(result["skipped"])
         return result
 
-    if args.data is None and not (args.decode_checkpoint is not None and args.decode_only):
+    decode_only = args.decode_checkpoint is not None and args.decode_only  # no prepared data needed
+    if args.data is None and not decode_only:
         p.error("--data is required (a directory with train.LANG and val.LANG)")
-    if args.decode_checkpoint is not None and args.decode_only:  # no prepared data needed
+    if decode_only:
         result.update(decode_checkpoint(args, device))
         result["load_average_after"] = os.getloadavg()
         write_json(args.out, result)

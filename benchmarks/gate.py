@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
     cases["copy_of_least_traffic"] = lambda: source.clone()  # reads 6·N·d floats and writes as many
     ms = interleaved_median_ms(cases, args.repeats)  # the warm-up compiles too
     floor_mib = 12 * n * d * 4 / 2 ** 20
-    result = {"machine": machine_info("cpu", threads=torch.get_num_threads()), "config": {"tokens": n, "d_model": d, "threads": torch.get_num_threads(), "repeats": args.repeats,
+    result = {"machine": machine_info("cpu", threads=torch.get_num_threads()),
+              "config": {"tokens": n, "d_model": d, "threads": torch.get_num_threads(), "repeats": args.repeats,
                          "torch": torch.__version__},
               "median_ms": ms, "least_traffic_mib": floor_mib,
               "copy_gib_per_s": floor_mib / 1024 / (ms["copy_of_least_traffic"] / 1e3),

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
                                args.warmup, sync)
     difference = max((a - b).abs().max().item() for a, b in zip(runs["default"][0].parameters(),
                                                                   runs["fused"][0].parameters()))
-    result = {"machine": machine_info(device, threads=torch.get_num_threads()), "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
+    result = {"machine": machine_info(device, threads=torch.get_num_threads()),
+              "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"}
               | {"torch": torch.__version__, "parameters": count_parameters(runs["fused"][0])},
               "median_step_ms": ms, "fused_speedup": ms["default"] / ms["fused"],
               "max_abs_parameter_difference": difference}

@@ -404,14 +404,10 @@ def _eval_key(ev: dict[str, Any]) -> str:
     return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def model_directions(exp: ExperimentConfig, index: int) -> list[str | None]:
-    """The directions run ``index`` trains one model each for: a bilingual run with its own directions (or a
+def model_directions(run: RunSpec, multilingual: bool) -> list[str | None]:
+    """The directions ``run`` trains one model each for: a bilingual run with its own directions (or a
     ``per_direction`` one) trains one per direction, each in its own directory; otherwise ``[None]``, one model."""
-    run = exp.runs[index]
-    if not run.directions:
-        return [None]
-    multilingual = load_run_config(exp, index).data.multilingual is not None
-    return list(run.directions) if run.per_direction or not multilingual else [None]
+    return list(run.directions) if run.directions and (run.per_direction or not multilingual) else [None]
 
 
 def job_dir(out: Path, name: str, direction: str | None, seed: int) -> Path:
@@ -425,7 +421,7 @@ def plan_jobs(exp: ExperimentConfig, out: Path, data: PreparedData,
     jobs = []
     for index, run in enumerate(exp.runs):
         multilingual = load_run_config(exp, index).data.multilingual is not None
-        for direction, seed in ((d, seed) for d in model_directions(exp, index) for seed in exp.seeds):
+        for direction, seed in ((d, seed) for d in model_directions(run, multilingual) for seed in exp.seeds):
             run_dir = job_dir(out, run.name, direction, seed).resolve()
             config = run_config(exp, index, seed, data, run_dir, direction)
             config_dict = to_dict(config)

@@ -13,7 +13,6 @@ skews it; the time between a stop and the resume is not counted at all).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -24,8 +23,9 @@ from typing import Any
 
 import yaml
 
-from nmtflow.evaluate.compare_job import FINISHED, TRAINED
+from nmtflow.evaluate.compare_job import FINISHED, TRAINED, read_json
 from nmtflow.evaluate.experiment import ExperimentConfig
+from nmtflow.train.trainer import read_log
 
 _BATCHES_LINE = re.compile(r"(\d+) batches per epoch")
 
@@ -56,21 +56,6 @@ class RunStatus:
         if not self.total or not self.seconds_per_update:
             return None
         return max(self.total - self.update, 0) * self.seconds_per_update
-
-
-def _entries(path: Path) -> list[dict[str, Any]]:
-    """``log.jsonl``'s entries; a torn last line (a write cut short) is left out."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(entry, dict):
-            out.append(entry)
-    return out
 
 
 def _training_pid(run_dir: Path) -> int | None:
@@ -113,12 +98,8 @@ def run_status(name: str, run_dir: Path) -> RunStatus:
     s = RunStatus(name=name, dir=run_dir)
     if not run_dir.is_dir():
         return s
-    entries = _entries(run_dir / "log.jsonl")
-    job: dict[str, Any] = {}
-    try:
-        job = json.loads((run_dir / "job.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        pass
+    entries = read_log(run_dir)  # a torn last line (a write cut short) is left out
+    job = read_json(run_dir / "job.json") or {}
     if (run_dir / FINISHED).is_file():
         s.state = "done"
     elif _training_pid(run_dir) is not None:
@@ -180,12 +161,16 @@ def show_status(experiment: str | Path, out: str | Path | None = None, overrides
 def comparison_status(exp: ExperimentConfig, out: Path) -> list[RunStatus]:
     """Every (run, direction, seed) of ``exp`` (after ``--only``) in the comparison directory ``out``, in run
     order, a run not started yet as ``not started``."""
-    from nmtflow.evaluate.compare import job_dir, model_directions
+    from nmtflow.evaluate.compare import job_dir, load_run_config, model_directions
 
-    return [run_status(f"{run.name}{f' {direction}' if direction else ''} (seed {seed})",
-                       job_dir(out, run.name, direction, seed))
-            for index, run in enumerate(exp.runs) for direction in model_directions(exp, index)
-            for seed in exp.seeds]
+    statuses = []
+    for index, run in enumerate(exp.runs):
+        multilingual = bool(run.directions) and load_run_config(exp, index).data.multilingual is not None
+        for direction in model_directions(run, multilingual):
+            for seed in exp.seeds:
+                label = f"{run.name}{f' {direction}' if direction else ''} (seed {seed})"
+                statuses.append(run_status(label, job_dir(out, run.name, direction, seed)))
+    return statuses
 
 
 def _duration(seconds: float | None) -> str:
