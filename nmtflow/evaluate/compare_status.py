@@ -59,14 +59,21 @@ class RunStatus:
 
 
 def _training_pid(run_dir: Path) -> int | None:
-    """The pid written in the save dir's ``.lock`` if that process is alive (the lock is not probed: taking it,
-    even for a moment, could refuse a training that is starting)."""
+    """The pid written in the save dir's ``.lock`` if that process is alive and, where ``/proc`` shows it, has the
+    lock file open (a pid reused by another process then does not count). The lock itself is not probed: taking it,
+    even for a moment, could refuse a training that is starting."""
+    lock = run_dir / ".lock"
     try:
-        pid = int((run_dir / ".lock").read_text(encoding="ascii").strip())
+        pid = int(lock.read_text(encoding="ascii").strip())
         os.kill(pid, 0)
     except (OSError, ValueError):
         return None
-    return pid
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        links = [os.readlink(fd) for fd in fds.iterdir()]
+    except OSError:  # no /proc (not Linux) or another user's process: alive is all we know
+        return pid
+    return pid if os.path.realpath(lock) in links else None
 
 
 def _zero_shot(run_dir: Path) -> list[str]:

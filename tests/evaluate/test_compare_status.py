@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from nmtflow.checkpoint import lock_save_dir, unlock_save_dir
 from nmtflow.cli import main
 from nmtflow.evaluate.compare import run_comparison
 from nmtflow.evaluate.compare_status import run_status, show_status, status_table
@@ -84,7 +85,8 @@ def test_status_of_a_directory_without_a_comparison_is_a_clear_error(tmp_path: P
     assert "nothing: no comparison has run there yet" in err and "Traceback" not in err
 
 
-def write_run(run_dir: Path, entries: list[dict], *, pid: int | None, epochs: int = 3) -> None:
+def write_run(run_dir: Path, entries: list[dict], *, locked: bool, epochs: int = 3) -> None:
+    """A save dir with these log entries; ``locked``: this process holds its lock, as a training does."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "job.json").write_text(json.dumps({"budget": {"updates": None, "epochs": epochs, "minutes": None}}),
                                       encoding="utf-8")
@@ -92,8 +94,8 @@ def write_run(run_dir: Path, entries: list[dict], *, pid: int | None, epochs: in
                                       encoding="utf-8")
     lines = [json.dumps(e) for e in entries] + ['{"kind": "spe']  # a torn last line is left out
     (run_dir / "log.jsonl").write_text("\n".join(lines), encoding="utf-8")
-    if pid is not None:
-        (run_dir / ".lock").write_text(f"{pid}\n", encoding="ascii")
+    if locked:
+        lock_save_dir(run_dir)
 
 
 PROGRESS = [
@@ -110,7 +112,7 @@ PROGRESS = [
 def test_a_run_in_progress_its_time_left_and_its_directions(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_run(run, [{"kind": "start", "update": 0, "batches_per_epoch": 100, "elapsed": 0.0}, *PROGRESS],
-              pid=os.getpid())
+              locked=True)
     s = run_status("multi (seed 1)", run)
     assert (s.state, s.update, s.total, s.epoch, s.tokens_per_s) == ("training", 150, 300, 2, 850.0)
     assert s.seconds_left == pytest.approx(150 * 300 / 150)  # updates left × training seconds per update
@@ -123,14 +125,19 @@ def test_a_run_in_progress_its_time_left_and_its_directions(tmp_path: Path) -> N
     # resumed at update 100 after a stop: the time left at the pace since then (not over the whole run)
     write_run(run, [{"kind": "start", "update": 0, "batches_per_epoch": 100, "elapsed": 0.0}, *PROGRESS[:2],
                     {"kind": "start", "update": 100, "batches_per_epoch": 100, "elapsed": 240.0}, *PROGRESS[2:]],
-              pid=os.getpid())
+              locked=True)
     assert run_status("multi", run).seconds_left == pytest.approx(150 * (300 - 240) / (150 - 100))
     # with more log lines, the median interval: one line after a long pause does not skew it
     steady = [{"kind": "speed", "update": u, "tgt_tokens_per_s": 900.0, "elapsed": 2.0 * u} for u in (10, 20, 30)]
     paused = {"kind": "speed", "update": 40, "tgt_tokens_per_s": 90.0, "elapsed": 60.0 + 2000.0}
     write_run(run, [{"kind": "start", "update": 0, "batches_per_epoch": 100, "elapsed": 0.0}, *steady, paused],
-              pid=os.getpid())
+              locked=True)
     assert run_status("multi", run).seconds_left == pytest.approx((300 - 40) * 2.0)
+    # the lock names a live process that does not hold it (a reused pid): not training
+    unlock_save_dir(run)
+    (run / ".lock").write_text(f"{os.getppid()}\n", encoding="ascii")
+    if Path("/proc/self/fd").is_dir():  # elsewhere a live pid is all --status can know
+        assert run_status("multi", run).state == "interrupted"
     # the process that held the lock is gone: interrupted (it resumes), time left still shown
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -143,7 +150,7 @@ def test_a_run_in_progress_its_time_left_and_its_directions(tmp_path: Path) -> N
 
 def test_a_log_from_before_the_start_entry_takes_the_epoch_size_from_train_log(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    write_run(run, [{k: v for k, v in e.items() if k != "elapsed"} for e in PROGRESS], pid=None, epochs=12)
+    write_run(run, [{k: v for k, v in e.items() if k != "elapsed"} for e in PROGRESS], locked=False, epochs=12)
     (run / "train.log").write_text("12:00:00 INFO nmtflow.train: model bridge: 59,882,506 parameters; 289820 "
                                    "training pairs, 4530 batches per epoch\n", encoding="utf-8")
     s = run_status("old", run)
