@@ -147,7 +147,7 @@ class Served:
         return {"name": self.name, "architecture": self.architecture,
                 "checkpoint": ", ".join(Path(p).name for p in self.model.paths),
                 "multilingual": self.model.multilingual, "src_langs": self.src_langs, "tgt_langs": self.tgt_langs,
-                "flow": self.flow}
+                "flow": self.flow, "beam_size": self.model.decode.beam_size}
 
     def translator(self, src_lang: str | None, tgt_lang: str | None) -> Translator:
         """The translator of a direction; unknown or missing languages are a 422 naming the field."""
@@ -199,7 +199,7 @@ class TranslateRequest(Strict):
     sentences: list[str] = Field(min_length=1)
     src_lang: str | None = None
     tgt_lang: str | None = None
-    beam_size: int = Field(5, ge=1, le=64)
+    beam_size: int | None = Field(None, ge=1, le=64)  # None: the checkpoint's
     nbest: int = Field(1, ge=1, le=64)
     len_penalty: float | None = None
     max_len_a: float | None = Field(None, ge=0, le=10)
@@ -227,6 +227,7 @@ class FlowRequest(Strict):
     target: str | None = None
     src_lang: str | None = None
     tgt_lang: str | None = None
+    beam_size: int | None = Field(None, ge=1, le=64)  # of the model's own translation; None: the checkpoint's
 
 
 def _location(loc: Sequence[Any]) -> str:
@@ -371,6 +372,9 @@ def create_app(models: dict[str, Model], *, max_sentences: int = 32, max_chars: 
         if req.target is not None:
             check_sentences("target", [req.target])
         translator = s.translator(req.src_lang, req.tgt_lang)
+        if req.beam_size is not None:
+            translator = dataclasses.replace(translator, decode=dataclasses.replace(translator.decode,
+                                                                                    beam_size=req.beam_size))
 
         def run(items: list[FlowRequest]) -> list[dict[str, Any]]:
             return [sentence_flow(translator, r.sentence, r.target) for r in items]

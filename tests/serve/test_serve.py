@@ -181,6 +181,30 @@ def test_flow_equals_the_analysis_maps(server: tuple[str, Any], loaded: dict[str
     assert out["gates"] == [] and out["bridge"] is None
 
 
+def test_translate_and_flow_default_to_the_checkpoints_beam(server: tuple[str, Any],
+                                                           loaded: dict[str, nmtflow.Model]) -> None:
+    """Without ``beam_size`` both endpoints decode with the checkpoint's beam (as the CLI and the API do), and the
+    flow's translation is the first hypothesis of ``/api/translate`` at the same beam."""
+    base, _ = server
+    model = loaded["transformer"]
+    beam = model.decode.beam_size
+    assert beam != 5  # the fixture's checkpoints decode with another beam than the old fixed default
+    assert {m["name"]: m["beam_size"] for m in call(base, "/api/models")[1]["models"]}["transformer"] == beam
+    status, body = call(base, "/api/translate", {"model": "transformer", "sentences": LINES[:4], "nbest": beam})
+    assert status == 200
+    expected = model.translate(LINES[:4], nbest=beam, return_scores=True)
+    assert [[h["text"] for h in t["hypotheses"]] for t in body["translations"]] == \
+        [[text for text, _ in hyps] for hyps in expected]
+    for size, translations in ((None, body["translations"]),
+                               (1, call(base, "/api/translate", {"model": "transformer", "sentences": LINES[:4],
+                                                                 "beam_size": 1})[1]["translations"])):
+        request = {} if size is None else {"beam_size": size}
+        for line, t in zip(LINES[:4], translations):
+            assert flow(base, {"model": "transformer", "sentence": line, **request})["translation"] == \
+                t["hypotheses"][0]["text"]
+    assert [t["hypotheses"][0]["text"] for t in translations] == model.translate(LINES[:4], beam_size=1)
+
+
 def test_flow_of_phrasal_shortcut_and_bridge_models(server: tuple[str, Any]) -> None:
     base, _ = server
     target = "alpha bravo charlie"

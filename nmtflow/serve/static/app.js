@@ -113,7 +113,7 @@ async function onSubmit(event) {
   const sentence = document.getElementById("sentence").value.trim();
   const target = document.getElementById("target").value.trim();
   const chosen = chosenModels();
-  const beam = parseInt(document.getElementById("beam").value, 10) || 5;
+  const beam = parseInt(document.getElementById("beam").value, 10) || null;  // null: each checkpoint's own
   const nbest = parseInt(document.getElementById("nbest").value, 10) || 1;
   if (!sentence) return showError(formError, "Type a source sentence to translate.");
   if (!chosen.length) return showError(formError, "Pick at least one model.");
@@ -157,11 +157,12 @@ class Panel {
 
   async run(sentence, target, beam, nbest) {
     const errors = [];
-    const translate = api("/api/translate", this.request({sentences: [sentence], beam_size: beam,
-                                                          nbest: Math.min(nbest, beam)}))
+    const beamSize = beam || this.model.beam_size;  // the flow's translation is the first of these hypotheses
+    const translate = api("/api/translate", this.request({sentences: [sentence], beam_size: beamSize,
+                                                          nbest: Math.min(nbest, beamSize)}))
       .then(r => this.renderTranslation(r.translations[0].hypotheses))
       .catch(err => { errors.push(err.message); this.translation.replaceChildren(); });
-    const flow = api("/api/flow", this.request({sentence, target}))
+    const flow = api("/api/flow", this.request({sentence, target, beam_size: beamSize}))
       .then(r => this.renderFlow(r, target))
       .catch(err => { errors.push(err.message); this.flow.replaceChildren(); });
     await Promise.all([translate, flow]);
@@ -172,7 +173,7 @@ class Panel {
   renderTranslation(hypotheses) {
     this.translation.replaceChildren(
       el("ol", {class: "nbest"}, hypotheses.map(h => el("li", {},
-        el("span", {class: "hyp"}, h.text), el("span", {class: "score", title: "sum of log-probabilities"},
+        el("span", {class: "hyp"}, h.text), el("span", {class: "score", title: "length-normalised log-probability"},
                                                h.score.toFixed(2))))));
   }
 
