@@ -51,6 +51,22 @@ def origin(ckpt: dict[str, Any], path: str | Path) -> dict[str, Any]:
             "update": None if update is None else int(update)}
 
 
+def check_resumed_origin(recorded: dict[str, Any] | None, init_from: str | None, path: str | Path) -> None:
+    """A one-line :class:`ConfigError` naming the run's checkpoint ``path`` when a resumed fine-tuning run is given
+    another ``init_from`` than the one it started from: a path other than the recorded one, to a file with other
+    bytes (sha256). The recorded file moved elsewhere, gone, or rewritten in place is fine: a resumed run takes its
+    weights from its own checkpoint, and its records keep naming where it started."""
+    if not recorded or not init_from or not recorded.get("sha256"):
+        return
+    if Path(init_from).resolve() == Path(str(recorded.get("path", ""))).resolve() or not Path(init_from).is_file():
+        return
+    if file_sha256(init_from) != recorded["sha256"]:
+        raise ConfigError(f"{path}: this run was fine-tuned from {recorded.get('path')} (sha256 "
+                          f"{recorded['sha256'][:12]}…), not from {init_from} (train.init_from, --init-from); resume "
+                          "it with its own config.yaml, or fine-tune from the other checkpoint in a save dir of its "
+                          "own (or start afresh there with --restart)")
+
+
 def check_architecture(ckpt: dict[str, Any], path: str | Path, config: Config) -> None:
     """A one-line :class:`ConfigError` naming ``path`` when ``config``'s model is not the one the checkpoint holds:
     another kind (bilingual, multilingual), model type, or architecture setting (the first ones named)."""

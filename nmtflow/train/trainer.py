@@ -281,13 +281,14 @@ class Trainer:
 
     def check_resumable(self, ckpt: dict[str, Any], path: Path) -> None:
         """A one-line :class:`ConfigError` naming ``path`` when its run cannot continue under this config:
-        another number of processes, model type, direction or vocabulary, or a fine-tuning config (``init_from``)
-        for a run trained from scratch."""
+        another number of processes, model type, direction or vocabulary, a fine-tuning config (``init_from``)
+        for a run trained from scratch, or another checkpoint to fine-tune from than the run's."""
         init_from = self.config.train.init_from
         if init_from and not ckpt.get("init_from"):  # e.g. the trained checkpoint copied into the new save dir
             raise ConfigError(f"{path}: a run trained from scratch, not one fine-tuned from {init_from} "
                               "(train.init_from, --init-from); give the fine-tuning run a save dir of its own (without "
                               "checkpoint_last.pt), or start afresh there with --restart")
+        finetune.check_resumed_origin(ckpt.get("init_from"), init_from, path)
         world, saved_world = self.dist.world_size, ckpt.get("world_size")
         if saved_world is not None and int(saved_world) != world:
             raise ConfigError(f"{path}: written by a run of {saved_world} process(es) but this run has {world}; "

@@ -168,6 +168,13 @@ def test_a_fine_tuning_run_resumes_from_its_own_checkpoint(base: Path, reversal:
     assert losses(tmp_path / "cut") == losses(tmp_path / "full") and len(losses(tmp_path / "full")) == 6
     assert resumed.run_id == load_checkpoint(tmp_path / "cut" / "checkpoint_last.pt")["run_id"] != full.run_id
     assert load_checkpoint(tmp_path / "cut" / "checkpoint_last.pt")["init_from"] == recorded
+    # resumed with another checkpoint to start from: refused; the same file moved elsewhere is the same start
+    with pytest.raises(ConfigError, match=r"cut/checkpoint_last\.pt: this run was fine-tuned from .*init\.pt "
+                                          r"\(sha256 [0-9a-f]{12}…\), not from .*full/checkpoint_last\.pt"):
+        Trainer(finetune_config(reversal, tmp_path / "cut", tmp_path / "full" / "checkpoint_last.pt"))
+    moved = tmp_path / "moved.pt"
+    moved.write_bytes(base.read_bytes())
+    assert Trainer(finetune_config(reversal, tmp_path / "cut", moved)).progress.update == 6
     # the trained checkpoint copied into a new save dir: not taken for the fine-tuning run's own
     (tmp_path / "copied").mkdir()
     (tmp_path / "copied" / "checkpoint_last.pt").write_bytes(base.read_bytes())
