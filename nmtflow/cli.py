@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -150,6 +151,11 @@ def cmd_average(args: argparse.Namespace) -> None:
     elif args.last is not None:
         raise ValueError(f"--last {args.last} picks from a save dir's periodic checkpoints; with checkpoint files "
                          "given, every one is averaged (leave out --last, or give the save dir)")
+    _refuse_overwrite(args.output, {f"checkpoint {p}": p for p in paths}, "average")
+    if re.fullmatch(r"checkpoint_(\d+|last|best)\.pt", Path(args.output).name):
+        raise ValueError(f"-o {args.output}: a name training gives its own checkpoints (checkpoint_last.pt resumes a "
+                         "run, checkpoint_UPDATE.pt are what --last averages); name the average otherwise, e.g. "
+                         f"{Path(args.output).with_name('averaged.pt')}")
     save_atomic(average_checkpoints(paths, allow_different_runs=args.allow_different_runs), args.output)
     print(f"averaged {len(paths)} checkpoints ({', '.join(str(p) for p in paths)}) into {args.output}")
 
@@ -180,6 +186,25 @@ def _translator(args: argparse.Namespace):
 
         torch.set_num_threads(args.threads)
     return translator
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two paths name one file (through links too; paths of files not yet there by their real paths)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _refuse_overwrite(output: str | None, inputs: dict[str, str | Path | None], what: str) -> None:
+    """A ValueError when ``-o output`` names one of the ``inputs`` (option → path): writing ``what`` there would
+    replace the file being read."""
+    if output is None:
+        return
+    for option, path in inputs.items():
+        if path is not None and str(path) != "-" and _same_file(output, path):
+            raise ValueError(f"-o {output}: is the {option} file; writing the {what} there would replace it "
+                             "(give -o another file)")
 
 
 def _read_lines(path: str) -> list[str]:
@@ -224,6 +249,7 @@ def cmd_translate(args: argparse.Namespace) -> int | None:
     from nmtflow.decode.translate import check_search, output_file
 
     args.input, args.output = (None if path == "-" else path for path in (args.input, args.output))  # stdin, stdout
+    _refuse_overwrite(args.output, {"-i": args.input, "--prefix": args.prefix}, "translations")
     translator = _translator(args)
     check_search(translator.decode)  # before any input is read: an interactive session fails at once
     interactive = args.input is None and sys.stdin.isatty()
@@ -309,6 +335,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
                          "give one or the other")
     if not (args.hyp or (args.checkpoint and args.src)):
         raise ValueError("evaluate needs --hyp FILE, or a CHECKPOINT with --src FILE")
+    _refuse_overwrite(args.output, {"--src": args.src, **{f"--ref {path}": path for path in args.ref}},
+                      "translations")
     refs = [_read_lines(path) for path in args.ref]
     lines = _read_lines(args.hyp or args.src)
     for path, stream in zip(args.ref, refs):

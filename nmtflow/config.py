@@ -312,10 +312,13 @@ class DecodeConfig:
     SAMPLING_ONLY: ClassVar[dict[str, Any]] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": None}
 
     def search_problems(self) -> Iterator[tuple[str, str]]:
-        """(key, what is wrong) for each out-of-range ``min_len`` or sampling setting, for messages in the config's
+        """(key, what is wrong) for each out-of-range length limit or sampling setting, for messages in the config's
         terms (:meth:`validate`) or the command line's (``nmtflow.decode.translate.check_search``)."""
-        if self.min_len < 0:
-            yield "min_len", f"must be >= 0, got {self.min_len}"
+        if not (math.isfinite(self.max_len_a) and self.max_len_a >= 0):
+            yield "max_len_a", f"must be >= 0 (and finite), got {self.max_len_a}"
+        for name in ("max_len_b", "min_len"):
+            if getattr(self, name) < 0:
+                yield name, f"must be >= 0, got {getattr(self, name)}"
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             yield "temperature", f"must be a number > 0, got {self.temperature}"
         if self.top_k < 0:
@@ -351,11 +354,9 @@ class DecodeConfig:
             if self.nbest > 1 and self.greedy:
                 raise ConfigError(f"{where}.nbest: {self.nbest} with greedy: true (greedy search finds one "
                                   "translation; an n-best list needs beam search, or samples need sampling: true)")
-        for name in ("len_penalty", "max_len_a"):
+        for name in ("len_penalty",):
             if not math.isfinite(getattr(self, name)):
                 raise ConfigError(f"{where}.{name}: must be a finite number, got {getattr(self, name)}")
-        if self.max_len_a < 0:
-            raise ConfigError(f"{where}.max_len_a: must be >= 0, got {self.max_len_a}")
 
 
 @dataclass

@@ -150,6 +150,7 @@ def test_a_preset_name_reads_the_shipped_preset(tmp_path, monkeypatch) -> None:
     ("decode.nbest=6", "decode.nbest: 6 is more than beam_size 5"),
     ("decode.len_penalty=.nan", "decode.len_penalty: must be a finite number"),
     ("decode.max_len_a=-1", "decode.max_len_a: must be >= 0"),
+    ("decode.max_len_b=-1", "decode.max_len_b: must be >= 0"),
 ])
 def test_decode_settings_that_cannot_work_are_config_errors(override: str, message: str) -> None:
     """Before: accepted at load, failing (or misbehaving) only when decoding started."""

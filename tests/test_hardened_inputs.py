@@ -338,6 +338,8 @@ def test_averaging_checkpoints_of_different_runs_needs_asking(run_dir: Path, tmp
     err = one_line_error(["average", str(a), str(b), "-o", str(tmp_path / "avg.pt")], str(a), capsys)
     assert str(b) in err and "2 different training runs" in err and "--allow-different-runs" in err
     assert not (tmp_path / "avg.pt").exists()
+    err = one_line_error(["average", str(a), str(b), "-o", str(b), "--allow-different-runs"], str(b), capsys)
+    assert "is the checkpoint" in err and "would replace it" in err
     assert main(["average", str(a), str(b), "--allow-different-runs", "-o", str(tmp_path / "soup.pt")]) == 0
     soup = load_checkpoint(tmp_path / "soup.pt")  # its own integrity code, and a run id of its own
     assert soup["run_id"] not in (load_checkpoint(a)["run_id"], load_checkpoint(b)["run_id"])
@@ -347,6 +349,34 @@ def test_averaging_checkpoints_of_different_runs_needs_asking(run_dir: Path, tmp
     for path, copy in zip((a, b), older):
         save_atomic({k: v for k, v in load_checkpoint(path).items() if k != "run_id"}, copy)
     assert main(["average", *map(str, older), "-o", str(tmp_path / "older_avg.pt")]) == 0
+
+
+def test_an_output_file_that_is_an_input_is_refused(run_dir: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``-o`` naming the source (or the reference) replaced it with the translations, exit 0."""
+    src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+    src.write_text("a b c\n", encoding="utf-8")
+    ref.write_text("a b c\n", encoding="utf-8")
+    link = tmp_path / "link.txt"
+    link.symlink_to(src)
+    ckpt = str(run_dir / "checkpoint_last.pt")
+    for args, option in ((["translate", ckpt, "-i", str(src), "-o", str(tmp_path / "." / "src.txt")], "-i"),
+                         (["translate", ckpt, "-i", str(src), "-o", str(link)], "-i"),
+                         (["translate", ckpt, "-i", str(ref), "--prefix", str(src), "-o", str(src)], "--prefix"),
+                         (["evaluate", ckpt, "--src", str(src), "--ref", str(ref), "-o", str(src)], "--src"),
+                         (["evaluate", ckpt, "--src", str(src), "--ref", str(ref), "-o", str(ref)], "--ref")):
+        assert f"is the {option}" in one_line_error(args, "would replace it", capsys)
+    assert src.read_text(encoding="utf-8") == ref.read_text(encoding="utf-8") == "a b c\n"
+
+
+def test_negative_length_limits_are_refused(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "src.txt"
+    src.write_text("a b c\n", encoding="utf-8")
+    ckpt = str(run_dir / "checkpoint_last.pt")
+    assert "--max-len-a (decode.max_len_a): must be >= 0" in one_line_error(
+        ["translate", ckpt, "-i", str(src), "--max-len-a", "-1"], "max_len_a", capsys)
+    assert "--max-len-b (decode.max_len_b): must be >= 0, got -5" in one_line_error(
+        ["translate", ckpt, "-i", str(src), "--max-len-b", "-5"], "max_len_b", capsys)
 
 
 FULL_DISK_CASES = ["translate_to_a_device", "translate_to_a_file", "checkpoint", "training_log", "analysis_results"]

@@ -132,7 +132,7 @@ def source_positions(model: EncoderDecoder) -> int | None:
     return position_limits(model.config)[0]
 
 
-FLAGS = {"min_len": "--min-len", "sampling": "--sampling", "temperature": "--temperature", "top_k": "--top-k",
+FLAGS = {"max_len_a": "--max-len-a", "max_len_b": "--max-len-b", "min_len": "--min-len", "sampling": "--sampling", "temperature": "--temperature", "top_k": "--top-k",
          "top_p": "--top-p", "seed": "--seed", "workers": "--workers"}  # decode keys → translate's options
 
 

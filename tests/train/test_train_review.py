@@ -142,7 +142,12 @@ def test_an_averaged_checkpoint_last_is_not_resumed(copy_data: Path, tmp_path: P
     threads = torch.get_num_threads()
     try:
         assert main(["train", str(config), "--save-dir", str(run)]) == 0
-        assert main(["average", str(run), "-o", str(run / "checkpoint_last.pt")]) == 0
+        capsys.readouterr()
+        for name in ("checkpoint_last.pt", "checkpoint_best.pt", "checkpoint_7.pt"):  # the names training gives
+            assert "a name training gives its own checkpoints" in one_line_error(
+                ["average", str(run), "-o", str(run / name)], capsys)
+        assert main(["average", str(run), "-o", str(tmp_path / "avg.pt")]) == 0
+        (run / "checkpoint_last.pt").write_bytes((tmp_path / "avg.pt").read_bytes())  # copied over it by hand
         err = one_line_error(["train", str(config), "--save-dir", str(run), "--set", "train.max_updates=3"], capsys)
     finally:
         torch.set_num_threads(threads)
