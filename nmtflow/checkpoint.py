@@ -284,11 +284,19 @@ def model_mismatch(exc: BaseException, limit: int = 300) -> str:
     return lines[0][:limit]
 
 
+PERIODIC_NAME = re.compile(r"checkpoint_(\d+)\.pt")  # checkpoint_UPDATE.pt, every train.save_every updates
+
+
+def is_training_checkpoint_name(name: str) -> bool:
+    """Whether ``name`` is one training gives the checkpoints of its save dir (last, best, periodic)."""
+    return name in ("checkpoint_last.pt", "checkpoint_best.pt") or PERIODIC_NAME.fullmatch(name) is not None
+
+
 def periodic_checkpoints(save_dir: str | Path) -> list[Path]:
     """``checkpoint_UPDATE.pt`` files in ``save_dir``, oldest first."""
     found = []
     for p in Path(save_dir).glob("checkpoint_*.pt"):
-        m = re.fullmatch(r"checkpoint_(\d+)\.pt", p.name)
+        m = PERIODIC_NAME.fullmatch(p.name)
         if m:
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]

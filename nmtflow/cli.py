@@ -7,7 +7,6 @@ import importlib
 import json
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -138,7 +137,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 @command
 def cmd_average(args: argparse.Namespace) -> None:
-    from nmtflow.checkpoint import average_checkpoints, periodic_checkpoints, save_atomic
+    from nmtflow.checkpoint import average_checkpoints, is_training_checkpoint_name, periodic_checkpoints, save_atomic
 
     paths = [Path(p) for p in args.checkpoints]
     if args.last is not None and args.last < 1:
@@ -152,7 +151,7 @@ def cmd_average(args: argparse.Namespace) -> None:
         raise ValueError(f"--last {args.last} picks from a save dir's periodic checkpoints; with checkpoint files "
                          "given, every one is averaged (leave out --last, or give the save dir)")
     _refuse_overwrite(args.output, {f"checkpoint {p}": p for p in paths}, "average")
-    if re.fullmatch(r"checkpoint_(\d+|last|best)\.pt", Path(args.output).name):
+    if is_training_checkpoint_name(Path(args.output).name):
         raise ValueError(f"-o {args.output}: a name training gives its own checkpoints (checkpoint_last.pt resumes a "
                          "run, checkpoint_UPDATE.pt are what --last averages); name the average otherwise, e.g. "
                          f"{Path(args.output).with_name('averaged.pt')}")

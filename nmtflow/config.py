@@ -354,9 +354,8 @@ class DecodeConfig:
             if self.nbest > 1 and self.greedy:
                 raise ConfigError(f"{where}.nbest: {self.nbest} with greedy: true (greedy search finds one "
                                   "translation; an n-best list needs beam search, or samples need sampling: true)")
-        for name in ("len_penalty",):
-            if not math.isfinite(getattr(self, name)):
-                raise ConfigError(f"{where}.{name}: must be a finite number, got {getattr(self, name)}")
+        if not math.isfinite(self.len_penalty):
+            raise ConfigError(f"{where}.len_penalty: must be a finite number, got {self.len_penalty}")
 
 
 @dataclass

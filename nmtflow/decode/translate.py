@@ -132,8 +132,9 @@ def source_positions(model: EncoderDecoder) -> int | None:
     return position_limits(model.config)[0]
 
 
-FLAGS = {"max_len_a": "--max-len-a", "max_len_b": "--max-len-b", "min_len": "--min-len", "sampling": "--sampling", "temperature": "--temperature", "top_k": "--top-k",
-         "top_p": "--top-p", "seed": "--seed", "workers": "--workers"}  # decode keys → translate's options
+FLAGS = {"max_len_a": "--max-len-a", "max_len_b": "--max-len-b", "min_len": "--min-len", "sampling": "--sampling",
+         "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+         "workers": "--workers"}  # decode keys → translate's options
 
 
 def check_search(d: DecodeConfig) -> None:
