@@ -73,6 +73,10 @@ def cmd_prepare(args: argparse.Namespace) -> None:
     if args.test:
         splits["test"] = args.test
     splits.update(_named_prefixes(args.split or [], "--split", {name: f"--{name}" for name in splits}))
+    for flag, value, least in (("--max-len", args.max_len, 1), ("--max-ratio", args.max_ratio, 1),
+                               ("--workers", args.workers, 1)):
+        if not value >= least:  # NaN too
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
     vocab_size = DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size
     meta = prepare(splits, langs, Path(args.out), vocab_size=vocab_size, joint=not args.separate_vocab,
                    clean=CleanConfig(max_len=args.max_len, max_ratio=args.max_ratio), lang_tags=args.lang_tags,

@@ -548,12 +548,17 @@ def preset_path(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
+EMPTY_CONFIG_HINT = "give at least its model and data (e.g. 'base: transformer-small' and data.path), or '{}' for " \
+    "every default"
+
+
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = (),
-              origins: dict[tuple[str, ...], str] | None = None) -> dict[str, Any]:
+              origins: dict[tuple[str, ...], str] | None = None, empty_hint: str = EMPTY_CONFIG_HINT) -> dict[str, Any]:
     """Read a config file, following ``base:`` chains (relative to the including file). A path that is no file
     but a bare preset name (``transformer-small``) reads the shipped preset ``configs/NAME.yaml``.
 
-    ``origins``, if given, receives the file each key path comes from (a child's keys replace its base's).
+    ``origins``, if given, receives the file each key path comes from (a child's keys replace its base's); a file of
+    nothing but blanks and comments is an error, with ``empty_hint`` on what it should hold.
     """
     path = Path(path)
     if not path.is_file():
@@ -565,13 +570,15 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = (),
     if path.resolve() in _seen:
         raise ConfigError(f"{path}: circular 'base:' chain")
     try:
-        data = yaml_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{line}: invalid YAML ({getattr(exc, 'problem', exc)})") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if data is None:  # nothing but blanks and comments: not a config of nmtflow's defaults (a 44M Transformer)
+        raise ConfigError(f"{path}: an empty file; {empty_hint}")
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     base = data.pop("base", None)
@@ -584,7 +591,13 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = (),
             base_path = path.parent / base_path
         if not base_path.is_file() and (preset := preset_path(base)) is not None:  # base: transformer-small
             base_path = preset
-        data = _deep_merge(read_yaml(base_path, _seen + (path.resolve(),), origins), own)
+        if not base_path.is_file():
+            what = "a directory, not a config file" if base_path.is_dir() else "config file not found"
+            hint = f" (nor a preset of {PRESETS_DIR.name}/)" if PRESETS_DIR.is_dir() and not base_path.is_dir() else ""
+            relative = "" if Path(base).is_absolute() else \
+                f"; a relative base is read from the directory of {path.name} ({base_path})"
+            raise ConfigError(f"{path}: base: {base}: {what}{hint}{relative}")
+        data = _deep_merge(read_yaml(base_path, _seen + (path.resolve(),), origins, empty_hint), own)
     if origins is not None:  # after the base's: this file's keys override its origins
         _record_origins(own, str(path), origins)
     return data

@@ -144,6 +144,22 @@ def test_a_preset_name_reads_the_shipped_preset(tmp_path, monkeypatch) -> None:
         load_config("sub/transformer-small")  # a path is a path
 
 
+def test_an_empty_config_or_a_missing_base_names_the_file_that_says_so(tmp_path) -> None:
+    """An empty file is not nmtflow's defaults (a 44M Transformer) in disguise; a base that is not there is named
+    with the config that refers to it and where a relative one was looked for."""
+    for text in ("", "# only a comment\n\n"):
+        with pytest.raises(ConfigError, match=rf"^{tmp_path / 'empty.yaml'}: an empty file; give at least"):
+            load_config(write(tmp_path, "empty.yaml", text))
+    assert load_config(write(tmp_path, "defaults.yaml", "{}\n")).model.name == "transformer"  # asked for
+    child = write(tmp_path, "child.yaml", "base: nothere.yaml\n")
+    with pytest.raises(ConfigError) as missing:
+        load_config(write(tmp_path, "grandchild.yaml", "base: child.yaml\n"))
+    assert str(missing.value) == (f"{child}: base: nothere.yaml: config file not found (nor a preset of configs/); a "
+                                  f"relative base is read from the directory of child.yaml ({tmp_path / 'nothere.yaml'})")
+    with pytest.raises(ConfigError, match=rf"^{child}: base: {tmp_path}: a directory, not a config file$"):
+        load_config(write(tmp_path, "child.yaml", f"base: {tmp_path}\n"))
+
+
 @pytest.mark.parametrize("override, message", [
     ("decode.beam_size=0", "decode.beam_size: must be >= 1, got 0"),
     ("decode.max_tokens=-1", "decode.max_tokens: must be >= 1, got -1"),

@@ -128,6 +128,10 @@ def test_language_codes_the_model_or_the_files_lack(run_dir: Path, tmp_path: Pat
     err = one_line_error(["prepare", "--train", str(tmp_path / "raw" / "train"), "--langs", "en", "fr",
                           "--out", str(tmp_path / "prepared")], "train.fr", capsys)
     assert "train has de, en" in err
+    err = one_line_error(["prepare", "--train", str(tmp_path / "raw" / "train.en"), "--langs", "en", "de",
+                          "--out", str(tmp_path / "prepared")], "train.en.en", capsys)  # a file for a prefix
+    assert (f"file not found: {tmp_path / 'raw' / 'train.en'} is one of the files; a split is given as the prefix "
+            f"PREFIX of its files PREFIX.LANG, here {tmp_path / 'raw' / 'train'}") in err
 
 
 GARBAGE = {"all_bytes": bytes(range(256)) * 8, "latin1": "Grüße\n".encode("latin-1"), "cut_utf8": b"ok\n\xe2\x82",
@@ -212,6 +216,15 @@ def test_a_sentence_longer_than_the_model_stops_training_before_it_starts(tmp_pa
     (["prepare", "--train", "corpus/train", "--valid", "v", "--langs", "en", "de", "--out", "OUT", "--split",
       "valid=x"], "the valid split is already given"),
     (["info", str(REPO / "configs" / "transformer-small.yaml"), "--set", "data.max_tokens=0"], "max_tokens"),
+    # the cleaning and worker flags are named as the user typed them (not CleanConfig's fields)
+    (["prepare", "--train", "corpus/train", "--langs", "en", "de", "--out", "OUT", "--max-len", "0"],
+     "--max-len must be >= 1, got 0"),
+    (["prepare", "--train", "corpus/train", "--langs", "en", "de", "--out", "OUT", "--max-ratio", "0.5"],
+     "--max-ratio must be >= 1, got 0.5"),
+    (["prepare", "--train", "corpus/train", "--langs", "en", "de", "--out", "OUT", "--max-ratio", "nan"],
+     "--max-ratio must be >= 1, got nan"),
+    (["prepare", "--train", "corpus/train", "--langs", "en", "de", "--out", "OUT", "--workers", "0"],
+     "--workers must be >= 1, got 0"),
 ])
 def test_bad_counts_and_split_options(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
                                       message: str) -> None:

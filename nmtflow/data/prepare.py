@@ -179,9 +179,13 @@ def prepare(
     for split, paths in files.items():  # --langs that do not match the files: say which languages are there
         for path in paths:
             if not path.exists():
-                stem = Path(data_prefixes[split]).name
+                prefix = Path(data_prefixes[split])
+                stem = prefix.name
                 have = sorted(p.name[len(stem) + 1:] for p in path.parent.glob(f"{glob_escape(stem)}.*")
                               if p.is_file() and "." not in p.name[len(stem) + 1:])
+                if prefix.is_file() and prefix.suffix[1:] in langs:  # --train corpus/train.en for corpus/train
+                    raise CorpusError(path, f"file not found: {prefix} is one of the files; a split is given as the "
+                                      f"prefix PREFIX of its files PREFIX.LANG, here {prefix.with_suffix('')}")
                 raise CorpusError(path, f"file not found (languages {' '.join(langs)} asked for; "
                                   + (f"{stem} has {', '.join(have)})" if have else f"no {stem}.* files there)"))
 

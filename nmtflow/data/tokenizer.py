@@ -151,7 +151,8 @@ class Tokenizer:
             if not f.is_file():
                 raise CorpusError(f, "file not found")
         if vocab_size < 4 + len(user_symbols):
-            raise ValueError(f"vocab_size={vocab_size} is too small for the special and user symbols")
+            raise ValueError(f"vocabulary size {vocab_size} is too small: the minimum is {4 + len(user_symbols)} "
+                             f"(4 special pieces, {len(user_symbols)} user symbols) before any piece of the text")
         for s in user_symbols:
             if not s or any(c.isspace() for c in s):
                 raise ValueError(f"invalid user symbol {s!r}")

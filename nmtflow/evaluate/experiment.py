@@ -324,7 +324,7 @@ def load_experiment(path: str | Path, overrides: list[str] | None = None) -> Exp
     """Read, override (``a.b=c``) and type-check an experiment file; errors name the file and key."""
     path = Path(path)
     origins: dict[tuple[str, ...], str] = {}  # key path → the file or override that set it, for errors
-    raw = read_yaml(path, origins=origins)
+    raw = read_yaml(path, origins=origins, empty_hint="an experiment lists its runs (runs: [{name: ..., config: ...}])")
     for text in overrides or []:
         _default_mapping(raw, parse_override(text)[0])
     raw = apply_overrides(raw, list(overrides or []), origins)

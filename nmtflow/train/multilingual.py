@@ -78,6 +78,9 @@ class MultilingualTrainer(Trainer):
     model: MultilingualModel
     find_unused_parameters = True  # a step updates one direction's encoder and decoder, not the others
 
+    def check_model_fits_trainer(self) -> None:
+        """Nothing here: :meth:`setup_data` checks the model and ``data.multilingual``."""
+
     # ---- data --------------------------------------------------------------------------------------
     def setup_data(self) -> None:
         tc, dc = self.config.train, self.config.data

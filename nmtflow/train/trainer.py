@@ -25,7 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from nmtflow.checkpoint import (FORMAT, integrity_code, load_checkpoint, lock_save_dir, new_run_id,
+from nmtflow.checkpoint import (CheckpointError, FORMAT, integrity_code, load_checkpoint, lock_save_dir, new_run_id,
                                 periodic_checkpoints, remove_interrupted_saves, save_atomic, unlock_save_dir,
                                 write_failure, write_text_atomic)
 from nmtflow.config import CUDA_ONLY_PRECISIONS, Config, ConfigError, differing_settings, to_dict, yaml_dump
@@ -87,6 +87,7 @@ class Trainer:
     def __init__(self, config: Config, *, resume: bool = True) -> None:
         self.config = config
         tc = config.train
+        self.check_model_fits_trainer()
         if tc.patience is not None and not tc.validate_every:  # here, not in TrainConfig: old checkpoints still load
             raise ConfigError("train.patience: early stopping counts scheduled validations, but train.validate_every "
                               "is 0 (never); set validate_every, or patience: null")
@@ -141,7 +142,10 @@ class Trainer:
         self._purge_step: int | None = None  # set on resume: TensorBoard drops later events
         self.run_id = new_run_id()  # in every checkpoint of the run: `nmtflow average` keeps runs apart
         if self.resume_from is not None:
-            ckpt = load_checkpoint(last, self.device)
+            try:
+                ckpt = load_checkpoint(last, self.device)
+            except CheckpointError as exc:  # truncated or corrupted: say which intact checkpoint could take its place
+                raise CheckpointError(f"{exc}{self.resume_instead_hint()}") from None
             self.run_id = str(ckpt.get("run_id") or self.run_id)  # a checkpoint of an older version has none
             missing = [key for key in ("optimizer", "scheduler", "rng", "progress") if key not in ckpt]
             if missing:  # e.g. `nmtflow average ... -o SAVE_DIR/checkpoint_last.pt`
@@ -164,7 +168,7 @@ class Trainer:
             names = ", ".join(path.name for path in earlier)
             raise ConfigError(f"{self.save_dir}: holds checkpoints of an earlier run ({names}) but no "
                               "checkpoint_last.pt to resume from; start afresh with --restart (removes them) or use "
-                              "another --save-dir")
+                              f"another --save-dir{self.resume_instead_hint()}")
         elif self.dist.is_main:
             self.clear_previous_run()
         # DDP all-reduces gradients during backward (hooks); it starts from rank 0's parameters
@@ -173,6 +177,17 @@ class Trainer:
             find_unused_parameters=self.find_unused_parameters)
         if self.dist.is_main:
             write_text_atomic(self.save_dir / "config.yaml", yaml_dump(to_dict(config)), "the run's config")
+
+    def check_model_fits_trainer(self) -> None:
+        """A :class:`ConfigError` for a model that cannot learn what this trainer gives it: the language-label model
+        trained on one direction without ``data.multilingual`` would be its backbone, no tag in any source."""
+        from nmtflow.registry import MODELS
+
+        name = self.config.model.name
+        if self.config.data.multilingual is None and getattr(MODELS.get(name).cls, "uses_language_tags", False):
+            raise ConfigError(f"model.name: {name!r} is a multilingual model: every source starts with its target "
+                              "language's tag, so it trains on the directions of data.multilingual (a prepared "
+                              "directory with --lang-tags); for one direction without tags, train its backbone")
 
     def clear_previous_run(self) -> None:
         """A fresh start (``--restart``, or a save dir without checkpoints): remove the earlier run's checkpoints,
@@ -187,6 +202,28 @@ class Trainer:
                         ", ".join(path.name for path in old))
         (self.save_dir / "log.jsonl").unlink(missing_ok=True)
         shutil.rmtree(self.save_dir / "tensorboard", ignore_errors=True)
+
+    def resume_instead_hint(self) -> str:
+        """``"; the save dir's checkpoint_N.pt is intact ... copy it to checkpoint_last.pt"`` for the newest readable
+        checkpoint of the save dir (periodic or best) that holds the whole training state, or "" when none does.
+
+        Training saves one dict to all of them, so resuming from such a copy replays the run exactly from update N
+        (the log and TensorBoard events after N are dropped); it is the user's choice, never made silently.
+        """
+        found: list[tuple[int, Path]] = []
+        for path in self.earlier_checkpoints():
+            try:
+                ckpt = load_checkpoint(path)
+            except CheckpointError:
+                continue
+            progress = ckpt.get("progress")
+            if all(key in ckpt for key in ("optimizer", "scheduler", "rng")) and isinstance(progress, dict):
+                found.append((int(progress.get("update", 0)), path))
+        if not found:
+            return ""
+        update, path = max(found, key=lambda item: item[0])
+        return (f"; the save dir's {path.name} is intact and holds the training state at update {update}: to resume "
+                "from there, copy it to checkpoint_last.pt")
 
     def earlier_checkpoints(self) -> list[Path]:
         """The save dir's periodic checkpoints and checkpoint_best.pt (checkpoint_last.pt aside)."""

@@ -4,6 +4,7 @@ save dir whose checkpoint_last.pt is missing or holds no training state is neith
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -166,12 +167,60 @@ def test_checkpoints_without_checkpoint_last_are_kept_until_restart(copy_data: P
         err = one_line_error(["train", str(config), "--save-dir", str(run)], capsys)
         assert (f"{run}: holds checkpoints of an earlier run (checkpoint_1.pt, checkpoint_2.pt, checkpoint_best.pt) "
                 "but no checkpoint_last.pt to resume from; start afresh with --restart") in err
+        assert err.rstrip().endswith("the save dir's checkpoint_2.pt is intact and holds the training state at "
+                                     "update 2: to resume from there, copy it to checkpoint_last.pt")
         assert {p.name for p in run.glob("checkpoint_*.pt")} == {"checkpoint_1.pt", "checkpoint_2.pt",
                                                                   "checkpoint_best.pt"}
         assert main(["train", str(config), "--save-dir", str(run), "--restart"]) == 0
     finally:
         torch.set_num_threads(threads)
     assert load_checkpoint(run / "checkpoint_last.pt")["progress"]["update"] == 2
+
+
+def test_a_truncated_checkpoint_last_names_the_intact_checkpoint_to_resume_from(
+        copy_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Periodic and best checkpoints hold the whole training state: the error names the newest intact one, and a
+    copy of it over checkpoint_last.pt resumes the run exactly from its update."""
+    run, config = tmp_path / "run", run_config(tmp_path, copy_data)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["train", str(config), "--save-dir", str(run), "--set", "train.max_updates=4"]) == 0
+        full = load_checkpoint(run / "checkpoint_last.pt")["model"]
+        shutil.rmtree(run)
+        assert main(["train", str(config), "--save-dir", str(run)]) == 0
+        last = run / "checkpoint_last.pt"
+        last.write_bytes(last.read_bytes()[:3000])  # a disk fault after the save
+        (run / "checkpoint_best.pt").unlink()
+        argv = ["train", str(config), "--save-dir", str(run), "--set", "train.max_updates=4"]
+        err = one_line_error(argv, capsys)
+        assert f"{last}: not a readable nmtflow checkpoint, truncated or corrupted" in err
+        assert ("; the save dir's checkpoint_2.pt is intact and holds the training state at update 2: to resume "
+                "from there, copy it to checkpoint_last.pt") in err
+        (run / "checkpoint_2.pt").write_bytes(b"PK\x03\x04 cut")  # the newest periodic one damaged too
+        assert "; the save dir's checkpoint_1.pt is intact and holds the training state at update 1" in \
+            one_line_error(argv, capsys)
+        shutil.copyfile(run / "checkpoint_1.pt", last)
+        assert main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)
+    resumed = load_checkpoint(last)
+    assert resumed["progress"]["update"] == 4
+    assert all(torch.equal(resumed["model"][k], full[k]) for k in full)  # the uninterrupted run's weights
+    (run / "checkpoint_1.pt").unlink()
+    for path in run.glob("checkpoint_*.pt"):
+        path.write_bytes(b"")
+    assert "is intact" not in one_line_error(argv, capsys)  # nothing intact: no advice
+
+
+def test_the_language_label_model_without_multilingual_data_is_refused(copy_data: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Trained on one direction it would be its backbone with no tag in any source: said, nothing written."""
+    config = write(tmp_path / "label.yaml", "model: {name: language_label, backbone: {name: rnn, hidden_dim: 32, "
+                   f"encoder_layers: 1, decoder_layers: 1}}}}\ndata: {{path: {copy_data}, src_lang: src, tgt_lang: tgt}}\n"
+                   "train: {max_updates: 1, validate_every: 0, progress: false}\n")
+    err = one_line_error(["train", str(config), "--save-dir", str(tmp_path / "run")], capsys)
+    assert "model.name: 'language_label' is a multilingual model" in err and "data.multilingual" in err
+    assert not (tmp_path / "run").exists()
 
 
 # ---- second review: crash safety of the log, multilingual resume, schedules, DDP ----------------------------
