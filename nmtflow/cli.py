@@ -441,7 +441,8 @@ def cmd_export(args: argparse.Namespace) -> None:
         raise ValueError(f"--quantization {args.quantization}: expected one of {', '.join(QUANTIZATIONS)}")
     out = export_ctranslate2(args.checkpoint, args.output, quantization=args.quantization, force=args.force)
     print(f"wrote {out} (CTranslate2, {args.quantization}): ctranslate2.Translator({str(out)!r}) translates "
-          "pieces of its source.spm into pieces of its target.spm")
+          "pieces of its source.spm into pieces of its target.spm; its nmtflow.json gives the translate_batch "
+          "options that search as nmtflow does")
 
 
 @command
@@ -812,7 +813,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="float32", metavar="TYPE",
                    help="CTranslate2 weight type: float32 (default), int8, int8_float32, int8_float16, "
                         "int8_bfloat16, int16, float16, bfloat16")
-    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    p.add_argument("--force", action="store_true", help="replace DIR if it is an earlier export (it holds nmtflow.json)")
 
     p = sub.add_parser("analyze", help="compare checkpoints layer by layer: lexical probes, similarity to E, gates")
     analyses = p.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")

@@ -4,8 +4,9 @@ The model is described with CTranslate2's own ``TransformerSpec`` (its Python co
 ``save``: ``DIR/model.bin``, ``config.json`` and the vocabularies (``shared_vocabulary.json``, or
 ``source_vocabulary.json`` and ``target_vocabulary.json``: the SentencePiece pieces by id). Beside them go the
 checkpoint's SentencePiece models (``source.spm``, ``target.spm``) and ``nmtflow.json`` (the checkpoint, the
-languages and its decoding settings), so that ``ctranslate2.Translator(DIR)`` translates with it:
-``translate_batch([source.spm pieces])`` → pieces for ``target.spm``.
+languages, its decoding settings, and the ``translate_batch`` options that search as nmtflow does: BOS and PAD
+suppressed, empty outputs allowed), so that ``ctranslate2.Translator(DIR)`` translates with it:
+``translate_batch([source.spm pieces], **info["translate_batch"])`` → pieces for ``target.spm``.
 
 What maps where (nmtflow → CTranslate2): the token embeddings and their √d scale, the sinusoidal position table
 itself (written out: CTranslate2's built-in table orders sin and cos differently), q/k/v projections fused into one
@@ -29,7 +30,7 @@ from torch import nn
 from nmtflow.checkpoint import CheckpointError, load_checkpoint, model_mismatch, write_failure
 from nmtflow.config import config_from_dict
 from nmtflow.data.tokenizer import Tokenizer
-from nmtflow.data.vocab import BOS_PIECE, EOS_PIECE, UNK_PIECE
+from nmtflow.data.vocab import BOS_PIECE, EOS_PIECE, PAD_PIECE, UNK_PIECE
 from nmtflow.models.base import Vocabularies, build_model
 
 TARGETS = ("ctranslate2",)
@@ -148,6 +149,23 @@ def _pieces(tok: Tokenizer, size: int, path: str | Path, side: str) -> list[str]
     return [tok.piece(i) for i in range(size)]
 
 
+EXPORT_INFO = "nmtflow.json"  # in every exported directory: what it was exported from
+
+
+def _check_replaceable(out: Path, checkpoint: Path) -> None:
+    """A ValueError unless ``--force`` may delete directory ``out``: an earlier export (it holds
+    :data:`EXPORT_INFO`) that neither holds ``checkpoint`` nor is (or holds) the working directory."""
+    real = out.resolve()
+    if checkpoint.resolve().is_relative_to(real):
+        raise ValueError(f"-o {out}: holds the checkpoint {checkpoint}; --force would delete it with the directory; "
+                         "export to another directory")
+    if Path.cwd().resolve().is_relative_to(real):
+        raise ValueError(f"-o {out}: is the working directory or one above it; export to another directory")
+    if not (real / EXPORT_INFO).is_file():
+        raise ValueError(f"-o {out}: not an earlier export (it has no {EXPORT_INFO}); --force replaces only those, so "
+                         "remove it yourself or export to another directory")
+
+
 def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, *, quantization: str = "float32",
                        force: bool = False) -> Path:
     """Write checkpoint ``checkpoint`` (a bilingual nmtflow Transformer) as a CTranslate2 model directory ``out_dir``
@@ -158,6 +176,8 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, *, quantizat
     out = Path(out_dir)
     if out.exists() and not (force and out.is_dir()):
         raise ValueError(f"-o {out}: already exists" + ("; add --force to replace it" if out.is_dir() else ""))
+    if out.is_dir():
+        _check_replaceable(out, Path(checkpoint))
     ckpt = load_checkpoint(checkpoint)
     if ckpt.get("multilingual"):
         raise ValueError(f"{checkpoint}: a multilingual checkpoint; CTranslate2 export takes a bilingual Transformer")
@@ -182,6 +202,7 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, *, quantizat
                             _pieces(tgt_tok, vocab.tgt_size, checkpoint, "target"))
     spec.validate()
     spec.optimize(quantization=quantization)
+    out = out.absolute()  # -o . has no name to build a directory beside
     tmp = out.parent / f".{out.name}.new-{os.getpid()}"  # built beside DIR, swapped in whole when complete
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -194,9 +215,12 @@ def export_ctranslate2(checkpoint: str | Path, out_dir: str | Path, *, quantizat
                 "source_spm": "source.spm", "target_spm": "target.spm",
                 "decode": {k: getattr(config.decode, k) for k in ("beam_size", "len_penalty", "max_len_a",
                                                                   "max_len_b")},
+                # options of CTranslate2's translate_batch that search as nmtflow does: it never emits BOS or PAD
+                # (an undertrained model may rank them first), and may return an empty translation
+                "translate_batch": {"suppress_sequences": [[BOS_PIECE], [PAD_PIECE]], "min_decoding_length": 0},
                 "note": "nmtflow's len_penalty is GNMT's ((5+|y|)/6)^a; CTranslate2's length_penalty divides by "
                         "|y|^a: equal only at 0"}
-        (tmp / "nmtflow.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

@@ -83,8 +83,11 @@ def _compare(translator: Translator, out: Path, beam: int) -> tuple[list[list[in
     ours = [h[0].tokens for h in translator.translate_ids(ids)]
     src_pieces = [[translator.src_tokenizer.piece(i) for i in s] for s in ids]
     ct2 = ctranslate2.Translator(str(out), device="cpu", intra_threads=1)
+    options = json.loads((out / "nmtflow.json").read_text(encoding="utf-8"))["translate_batch"]
+    assert options == {"suppress_sequences": [["<s>"], ["<pad>"]], "min_decoding_length": 0}  # (CTranslate2's
+    # default minimum 1 forbids an empty output)
     results = ct2.translate_batch(src_pieces, beam_size=beam, length_penalty=0.0, max_decoding_length=MAX_LEN,
-                                  min_decoding_length=0)  # (CTranslate2's default 1 forbids an empty output)
+                                  **options)
     tgt_ids = {translator.tgt_tokenizer.piece(i): i for i in range(translator.tgt_tokenizer.vocab_size)}
     theirs = [[tgt_ids[p] for p in r.hypotheses[0]] for r in results]
     return ours, theirs, ids
@@ -174,6 +177,69 @@ def test_int8_export_and_cli(checkpoints: dict[str, Path], tmp_path: Path, capsy
     assert main(["export", str(ckpt), "--to", "ctranslate2", "-o", str(tmp_path / "f32")]) == 2
     assert "already exists; add --force" in capsys.readouterr().err
     assert main(["export", str(ckpt), "--to", "ctranslate2", "-o", str(tmp_path / "f32"), "--force"]) == 0
+
+
+@needs_ct2
+def test_a_model_that_ranks_bos_first_translates_alike_with_the_recorded_options(checkpoints: dict[str, Path],
+                                                                                   tmp_path: Path) -> None:
+    """nmtflow's search never emits BOS or PAD; CTranslate2 does where the model ranks them first (an undertrained
+    one can) unless given nmtflow.json's translate_batch options."""
+    import ctranslate2
+
+    from nmtflow.data.vocab import BOS, PAD
+
+    ckpt = load_checkpoint(checkpoints["separate-postnorm-untied"])
+    model = ckpt["model"]  # post-norm, untied: the last layer norm's output feeds the output rows alone
+    model["decoder.layers.1.ffn_res.norm.bias"][0] += 20.0  # every decoder state gets a large component 0 ...
+    for special, scale in ((BOS, 5.0), (PAD, 4.9)):  # ... which BOS's and PAD's rows score: ranked first
+        model["decoder.output_weight"][special] = 0.0
+        model["decoder.output_weight"][special, 0] = scale
+    path = tmp_path / "bos-first.pt"
+    save_atomic(ckpt, path)
+    out = export_ctranslate2(path, tmp_path / "ct2")
+    translator = Translator.from_checkpoint(path)
+    ours, theirs, ids = _compare(translator, out, beam=1)
+    assert ours == theirs
+    src_pieces = [[translator.src_tokenizer.piece(i) for i in s] for s in ids]
+    plain = ctranslate2.Translator(str(out), device="cpu", intra_threads=1).translate_batch(
+        src_pieces, beam_size=1, max_decoding_length=MAX_LEN, min_decoding_length=0)
+    assert all(r.hypotheses[0] and set(r.hypotheses[0]) <= {"<s>"} for r in plain)  # without them: BOS only
+    assert all(ours)  # nmtflow: other tokens
+
+
+def test_force_replaces_only_an_earlier_export(checkpoints: dict[str, Path], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--force deleted a run directory holding the checkpoint, and ``-o .`` emptied the working directory."""
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt = run / "checkpoint_last.pt"
+    ckpt.write_bytes(checkpoints["joint-prenorm-tied"].read_bytes())
+    (run / "notes.txt").write_text("mine\n", encoding="utf-8")
+    before = sorted(p.name for p in run.iterdir())
+    for target, message in ((run, f"-o {run}: holds the checkpoint {ckpt}; --force would delete it"),
+                            (tmp_path, f"-o {tmp_path}: holds the checkpoint {ckpt}")):
+        assert main(["export", str(ckpt), "--to", "ctranslate2", "-o", str(target), "--force"]) == 2
+        assert message in capsys.readouterr().err
+    monkeypatch.chdir(run)
+    assert main(["export", "checkpoint_last.pt", "--to", "ctranslate2", "-o", ".", "--force"]) == 2
+    assert "-o .: holds the checkpoint checkpoint_last.pt" in capsys.readouterr().err
+    other = tmp_path / "other"
+    (other / "inside").mkdir(parents=True)
+    (other / "data.txt").write_text("keep\n", encoding="utf-8")
+    monkeypatch.chdir(other / "inside")
+    for target, message in ((other / "inside", "is the working directory or one above it"),
+                            (other, "is the working directory or one above it")):
+        assert main(["export", str(ckpt), "--to", "ctranslate2", "-o", str(target), "--force"]) == 2
+        assert message in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", str(ckpt), "--to", "ctranslate2", "-o", str(other), "--force"]) == 2
+    assert f"-o {other}: not an earlier export (it has no nmtflow.json)" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == before and (other / "data.txt").is_file()
+    # an earlier export is replaced, from anywhere, with -o naming it relatively too
+    assert main(["export", str(ckpt), "--to", "ctranslate2", "-o", "deploy"]) == 0
+    assert main(["export", str(ckpt), "--to", "ctranslate2", "-o", "deploy", "--force"]) == 0
+    assert (tmp_path / "deploy" / "model.bin").is_file() and not list(tmp_path.glob(".deploy.new-*"))
 
 
 def test_cli_errors(checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
