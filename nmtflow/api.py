@@ -15,6 +15,7 @@ from typing import Any, Sequence, Union
 import torch
 
 from nmtflow.config import DecodeConfig, from_dict, to_dict
+from nmtflow.data.tokenizer import unicode_problem
 from nmtflow.decode.ensemble import ensemble_translator
 from nmtflow.decode.multilingual import MultilingualCheckpoint, direction_translator, open_checkpoint
 from nmtflow.decode.translate import Translator
@@ -38,18 +39,19 @@ def decode_config(base: DecodeConfig, options: dict[str, Any], where: str) -> De
 
 
 def _sentences(value: Any, where: str, what: str = "sentences") -> list[str]:
-    """A str → [it]; any other iterable of strs → a list; anything else a TypeError naming what is wrong."""
-    if isinstance(value, str):
-        return [value]
+    """A str → [it]; any other iterable of strs → a list; anything else a TypeError naming what is wrong, and a
+    str that is no UTF-8 text (a lone surrogate) a ValueError."""
     if isinstance(value, (bytes, bytearray)):
         raise TypeError(f"{where}: {what} are bytes; decode them to str first (e.g. .decode('utf-8'))")
     try:
-        lines = list(value)
+        lines = [value] if isinstance(value, str) else list(value)
     except TypeError:
         raise TypeError(f"{where}: {what}: expected a str or a list of str, got {type(value).__name__}") from None
     for n, line in enumerate(lines):
         if not isinstance(line, str):
             raise TypeError(f"{where}: {what}[{n}] is a {type(line).__name__}, not a str")
+        if problem := unicode_problem(line):
+            raise ValueError(f"{where}: {what}[{n}] {problem}")
     return lines
 
 

@@ -314,6 +314,8 @@ class DecodeConfig:
     def search_problems(self) -> Iterator[tuple[str, str]]:
         """(key, what is wrong) for each out-of-range length limit or sampling setting, for messages in the config's
         terms (:meth:`validate`) or the command line's (``nmtflow.decode.translate.check_search``)."""
+        if not math.isfinite(self.len_penalty):
+            yield "len_penalty", f"must be a finite number, got {self.len_penalty}"
         if not (math.isfinite(self.max_len_a) and self.max_len_a >= 0):
             yield "max_len_a", f"must be >= 0 (and finite), got {self.max_len_a}"
         for name in ("max_len_b", "min_len"):
@@ -354,8 +356,6 @@ class DecodeConfig:
             if self.nbest > 1 and self.greedy:
                 raise ConfigError(f"{where}.nbest: {self.nbest} with greedy: true (greedy search finds one "
                                   "translation; an n-best list needs beam search, or samples need sampling: true)")
-        if not math.isfinite(self.len_penalty):
-            raise ConfigError(f"{where}.len_penalty: must be a finite number, got {self.len_penalty}")
 
 
 @dataclass

@@ -91,6 +91,16 @@ def test_a_str_is_one_sentence_and_a_list_a_list(checkpoints: tuple[str, str]) -
                          (3, "expected a str or a list")):
         with pytest.raises(TypeError, match=message):
             model.translate(bad)  # type: ignore[arg-type]
+    # a lone surrogate is no UTF-8 text: named, not SentencePiece's bare TypeError
+    surrogate = re.escape("is not valid Unicode text: a lone surrogate U+D800 at character 1")
+    for call, message in ((lambda: model.translate("a\ud800"), rf"translate: sentences\[0\] {surrogate}"),
+                          (lambda: model.score(["x", "y"], ["a", "a\ud800"]), rf"score: targets\[1\] {surrogate}"),
+                          (lambda: lower_level(checkpoints[0]).translate(["ok", "a\ud800"]),
+                           rf"^sentence 1 \(0-based\) {surrogate}"),
+                          (lambda: lower_level(checkpoints[0]).score(["a\ud800"], ["ok"]),
+                           rf"^source line 1 {surrogate}")):
+        with pytest.raises(ValueError, match=message):
+            call()
 
 
 def test_translator_refuses_a_bare_str(checkpoints: tuple[str, str]) -> None:

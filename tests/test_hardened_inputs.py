@@ -382,7 +382,7 @@ def test_an_output_file_that_is_an_input_is_refused(run_dir: Path, tmp_path: Pat
     assert src.read_text(encoding="utf-8") == ref.read_text(encoding="utf-8") == "a b c\n"
 
 
-def test_negative_length_limits_are_refused(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_negative_length_limits_and_non_finite_length_penalties_are_refused(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "src.txt"
     src.write_text("a b c\n", encoding="utf-8")
     ckpt = str(run_dir / "checkpoint_last.pt")
@@ -390,6 +390,10 @@ def test_negative_length_limits_are_refused(run_dir: Path, tmp_path: Path, capsy
         ["translate", ckpt, "-i", str(src), "--max-len-a", "-1"], "max_len_a", capsys)
     assert "--max-len-b (decode.max_len_b): must be >= 0, got -5" in one_line_error(
         ["translate", ckpt, "-i", str(src), "--max-len-b", "-5"], "max_len_b", capsys)
+    for value in ("nan", "inf", "-inf"):  # every score came out nan (or -0.0) and the run exited 0
+        for command in (["translate", ckpt, "-i", str(src)], ["evaluate", ckpt, "--src", str(src), "--ref", str(src)]):
+            assert f"--lenpen (decode.len_penalty): must be a finite number, got {float(value)}" in one_line_error(
+                [*command, f"--lenpen={value}"], "len_penalty", capsys)
 
 
 FULL_DISK_CASES = ["translate_to_a_device", "translate_to_a_file", "checkpoint", "training_log", "analysis_results"]

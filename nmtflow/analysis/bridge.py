@@ -144,9 +144,11 @@ def load_checkpoints(paths: Sequence[str | Path], labels: Sequence[str] | None =
         raise ValueError("name at least one checkpoint")
     if labels is not None and len(labels) != len(paths):
         raise ValueError(f"{len(labels)} labels given for {len(paths)} checkpoints")
+    given = labels is not None
     labels = list(labels) if labels is not None else path_labels(paths)
     if len(set(labels)) != len(labels):
-        raise ValueError(f"labels must differ, got {', '.join(labels)} (name them with --labels)")
+        raise ValueError(f"--labels must differ, got {', '.join(labels)}" if given else
+                         f"labels must differ, got {', '.join(labels)} (name them with --labels)")
     out = []
     for label, path in zip(labels, paths):
         translator, direction = open_translator(path, src_lang, tgt_lang, device, encoder_only=encoder_only)

@@ -78,9 +78,11 @@ def load_models(paths: Sequence[str | Path], data_dir: str | Path, split: str, l
     twice = next((paths[i] for i, r in enumerate(resolved) if r in resolved[:i]), None)
     if labels is None and twice is not None:
         raise ValueError(f"{twice} is given twice; to analyse it twice, name each with --labels")
+    given = labels is not None
     labels = list(labels) if labels is not None else default_labels(paths)
     if len(set(labels)) != len(labels):
-        raise ValueError(f"labels must differ, got {', '.join(labels)} (name them with --labels)")
+        raise ValueError(f"--labels must differ, got {', '.join(labels)}" if given else
+                         f"labels must differ, got {', '.join(labels)} (name them with --labels)")
     meta = load_meta(data_dir)
     models = []
     for label, path in zip(labels, paths):

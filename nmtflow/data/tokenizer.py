@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import sentencepiece as spm
@@ -66,6 +66,16 @@ def _too_small(vocab_size: int, needed: int, user_symbols: int, byte_fallback: b
 def _utf8_width(lead: int) -> int:
     """Bytes of the UTF-8 sequence that starts with byte ``lead`` (1 for a byte that starts none)."""
     return 2 if 0xC0 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 else 4 if 0xF0 <= lead < 0xF8 else 1
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` cannot be encoded as UTF-8 (a lone surrogate, which only a ``str`` built in Python or decoded
+    with ``surrogateescape`` holds), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"is not valid Unicode text: a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}"
+    return None
 
 
 class Tokenizer:
@@ -225,15 +235,26 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Subword ids of ``text`` (no BOS/EOS)."""
-        return self._sp.Encode(text, out_type=int)
+        try:
+            return self._sp.Encode(text, out_type=int)
+        except (TypeError, RuntimeError):  # SentencePiece's words for a str that is no UTF-8 text
+            raise ValueError(f"text {unicode_problem(text) or 'is not a str'}") from None
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode many strings at once with SentencePiece's multithreaded C++ batch encoder."""
+    def encode_batch(self, texts: list[str], where: Callable[[int], str] | None = None) -> list[list[int]]:
+        """Encode many strings at once with SentencePiece's multithreaded C++ batch encoder; a text that is no
+        UTF-8 (a lone surrogate) is a ValueError naming it by ``where(index)`` (default: its 0-based index)."""
         if not isinstance(texts, list):
             texts = list(texts)
         if not texts:
             return []
-        return self._sp.Encode(texts, out_type=int, num_threads=self.num_threads)
+        try:
+            return self._sp.Encode(texts, out_type=int, num_threads=self.num_threads)
+        except (TypeError, RuntimeError):
+            for n, text in enumerate(texts):
+                problem = unicode_problem(text) if isinstance(text, str) else f"is a {type(text).__name__}, not a str"
+                if problem:
+                    raise ValueError(f"{where(n) if where else f'sentence {n} (0-based)'} {problem}") from None
+            raise
 
     def _clean_ids(self, ids: Any) -> list[int]:
         if hasattr(ids, "detach"):  # torch tensor, possibly on an accelerator
@@ -298,7 +319,11 @@ class Tokenizer:
 
     def unknown_surfaces(self, text: str) -> list[str]:
         """The text of each piece of ``text`` that encodes to ``<unk>`` (none with byte fallback)."""
-        return [p.surface for p in self._sp.Encode(text, out_type="proto").pieces if p.id == UNK]
+        try:
+            pieces = self._sp.Encode(text, out_type="proto").pieces
+        except (TypeError, RuntimeError):
+            raise ValueError(f"text {unicode_problem(text) or 'is not a str'}") from None
+        return [p.surface for p in pieces if p.id == UNK]
 
     @property
     def byte_fallback(self) -> bool:

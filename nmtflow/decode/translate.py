@@ -132,7 +132,7 @@ def source_positions(model: EncoderDecoder) -> int | None:
     return position_limits(model.config)[0]
 
 
-FLAGS = {"max_len_a": "--max-len-a", "max_len_b": "--max-len-b", "min_len": "--min-len", "sampling": "--sampling",
+FLAGS = {"len_penalty": "--lenpen", "max_len_a": "--max-len-a", "max_len_b": "--max-len-b", "min_len": "--min-len", "sampling": "--sampling",
          "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
          "workers": "--workers"}  # decode keys → translate's options
 
@@ -453,7 +453,7 @@ class Translator:
             raise ValueError(f"Translator.score: {len(sources)} sources but {len(targets)} targets")
         locate = where or (lambda n, side: (f"{files[side == 'target']}:{n + 1}: " if files else "")
                            + f"{side} line {n + 1}")
-        src_ids, warned = self.src_tokenizer.encode_batch(sources), set()
+        src_ids, warned = self.src_tokenizer.encode_batch(sources, lambda n: locate(n, "source")), set()
         for n, seq in enumerate(src_ids):
             if len(seq) > self.decode.max_input_tokens:
                 if (origin := locate(n, "source")) not in warned:  # (a source scored with many targets: once)
@@ -461,7 +461,7 @@ class Translator:
                     log.warning("%s has %d tokens; truncated to %d (decode.max_input_tokens)", origin, len(seq),
                                 self.decode.max_input_tokens)
                 src_ids[n] = seq[:self.decode.max_input_tokens]
-        tgt_ids = self.tgt_tokenizer.encode_batch(targets)
+        tgt_ids = self.tgt_tokenizer.encode_batch(targets, lambda n: locate(n, "target"))
         src_limit = self.model_source_tokens
         if src_limit is not None:
             for n, seq in enumerate(src_ids):

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nmtflow.config import (BLEU_TOKENIZER, PRESETS_DIR, ConfigError, apply_overrides, check_bleu_tokenizer, coerce,
-                            name_origin, parse_override, read_yaml)
+from nmtflow.config import (BLEU_TOKENIZER, PRESETS_DIR, ConfigError, DecodeConfig, apply_overrides,
+                            check_bleu_tokenizer, coerce, name_origin, parse_override, read_yaml)
 
 # keys the experiment sets for every run (the budget must be equal; seeds and data are the experiment's)
 RESERVED_KEYS = ("train.max_updates", "train.max_epochs", "train.max_minutes", "train.seed", "train.save_dir",
@@ -90,6 +90,12 @@ class ExperimentData:
                 raise ConfigError(f"{where}.splits: needs a {name!r} split (name: file prefix)")
         if self.synthetic is not None and self.path:
             raise ConfigError(f"{where}: give either path or synthetic, not both")
+        if self.synthetic is not None:
+            for split in ("train", "valid", "test"):
+                least, n = int(split == "train"), getattr(self.synthetic, f"n_{split}")
+                if n < least:
+                    raise ConfigError(f"{where}.synthetic.n_{split}: the number of {split} sentences must be "
+                                      f">= {least}, got {n}")
 
 
 @dataclass
@@ -174,10 +180,10 @@ class DecodeSettings:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{where}.{name}: must be >= 1 (or null), got {value}")
-        for name in ("max_len_a", "max_len_b", "min_len"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"{where}.{name}: must be >= 0 (or null), got {value}")
+        given = {k: v for k, v in self.search_overrides().items() if k in ("len_penalty", "max_len_a", "max_len_b",
+                                                                            "min_len")}
+        for name, problem in DecodeConfig(**given).search_problems():  # the checks of every run's decode section
+            raise ConfigError(f"{where}.{name}: {problem} (or null: each run's own)")
 
     def search_overrides(self) -> dict[str, Any]:
         keys = ("beam_size", "len_penalty", "max_len_a", "max_len_b", "min_len", "greedy", "max_tokens")
@@ -220,6 +226,9 @@ class ExperimentConfig:
             raise ConfigError(f"{where}: runs: the name {dup!r} is used twice")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"{where}: seeds: give one or more distinct seeds, e.g. [1, 2, 3]")
+        bad_seed = next((seed for seed in self.seeds if not 0 <= seed < 2**32), None)
+        if bad_seed is not None:  # each is a run's train.seed
+            raise ConfigError(f"{where}: seeds: {bad_seed} is not a training seed: each must be in [0, 2**32)")
         check_overrides(self.overrides, f"{where}: overrides")
         if self.ensemble and len(self.seeds) < 2:
             raise ConfigError(f"{where}: ensemble: an ensemble of each run's seeds needs two or more seeds, e.g. "

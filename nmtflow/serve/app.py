@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nmtflow.api import Model, decode_config
 from nmtflow.config import ConfigError, DecodeConfig
 from nmtflow.data.multilingual import Direction
+from nmtflow.data.tokenizer import unicode_problem
 from nmtflow.decode.translate import Translator
 from nmtflow.serve.flow import architecture, flow_kinds, sentence_flow
 
@@ -302,14 +303,18 @@ def create_app(models: dict[str, Model], *, max_sentences: int = 32, max_chars: 
             raise ApiError(404, f"model: unknown model {name!r} (served: {', '.join(served)})")
         return served[name]
 
-    def check_sentences(field: str, lines: list[str]) -> None:
+    def check_sentences(field: str, lines: list[str], *, one: bool = False) -> None:
+        """413/422 for too many, empty, too long or non-UTF-8 sentences; ``one``: the field holds one (no index)."""
         if len(lines) > max_sentences:
             raise ApiError(413, f"{field}: {len(lines)} sentences; at most {max_sentences} per request")
         for n, line in enumerate(lines):
+            name = field if one else f"{field}[{n}]"
             if not line.strip():
-                raise ApiError(422, f"{field}[{n}] is empty")
+                raise ApiError(422, f"{name} is empty")
             if len(line) > max_chars:
-                raise ApiError(413, f"{field}[{n}] has {len(line)} characters; at most {max_chars}")
+                raise ApiError(413, f"{name} has {len(line)} characters; at most {max_chars}")
+            if problem := unicode_problem(line):
+                raise ApiError(422, f"{name} {problem}")
 
     async def answer(future: Future) -> list[Any]:
         try:
@@ -368,9 +373,9 @@ def create_app(models: dict[str, Model], *, max_sentences: int = 32, max_chars: 
     @app.post("/api/flow")
     async def flow(req: FlowRequest) -> dict[str, Any]:
         s = pick(req.model)
-        check_sentences("sentence", [req.sentence])
+        check_sentences("sentence", [req.sentence], one=True)
         if req.target is not None:
-            check_sentences("target", [req.target])
+            check_sentences("target", [req.target], one=True)
         translator = s.translator(req.src_lang, req.tgt_lang)
         if req.beam_size is not None:
             translator = dataclasses.replace(translator, decode=dataclasses.replace(translator.decode,

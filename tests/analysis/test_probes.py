@@ -127,7 +127,7 @@ def test_labels_must_differ(kind: str, checkpoints: list[str], copy_data: Path, 
     """Results are keyed by label: a repeated label (or checkpoint) must not silently drop a model."""
     common = ["--data", str(copy_data), "--out", str(tmp_path), "--max-sentences", "20"]
     err = analyze_error(capsys, kind, *checkpoints, *common, "--labels", "same", "same")
-    assert "nmtflow analyze: error: labels must differ, got same, same" in err
+    assert "nmtflow analyze: error: --labels must differ, got same, same" in err
     err = analyze_error(capsys, kind, checkpoints[0], checkpoints[0], *common)
     assert f"{checkpoints[0]} is given twice" in err and "--labels" in err
     assert not list(tmp_path.iterdir())

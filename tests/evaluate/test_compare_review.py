@@ -35,6 +35,10 @@ def experiment(tmp_path: Path) -> Path:
     ("device=tpu", r"device: expected auto, cpu, cuda, cuda:N or mps, got 'tpu'"),
     ("devices=[cpu, gpu0]", r"devices\[1\]: expected auto, cpu, cuda, cuda:N or mps, got 'gpu0'"),
     ("threads=0", r"threads: must be >= 1"),
+    ("decode.len_penalty=.nan", r"decode\.len_penalty: must be a finite number, got nan"),
+    ("decode.max_len_a=.inf", r"decode\.max_len_a: must be >= 0 \(and finite\), got inf"),
+    ("seeds=[-1]", r"seeds: -1 is not a training seed: each must be in \[0, 2\*\*32\)"),
+    ("data.synthetic.n_train=-5", r"data\.synthetic\.n_train: the number of train sentences must be >= 1, got -5"),
 ])
 def test_settings_that_failed_after_training_are_errors_naming_where_they_were_set(experiment: Path,
                                                                                     override: str,

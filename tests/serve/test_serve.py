@@ -257,7 +257,14 @@ def test_flow_of_phrasal_shortcut_and_bridge_models(server: tuple[str, Any]) -> 
     ("/api/translate", {"model": "transformer", "sentences": ["a"], "src_lang": "de"}, 422, "src_lang"),
     ("/api/score", {"model": "transformer", "sources": ["a"], "targets": ["a", "b"]}, 422, "targets"),
     ("/api/flow", {"model": "transformer"}, 422, "sentence: Field required"),
-    ("/api/flow", {"model": "transformer", "sentence": "a", "target": " "}, 422, "target[0] is empty"),
+    ("/api/flow", {"model": "transformer", "sentence": "a", "target": " "}, 422, "target is empty"),
+    # a lone surrogate (JSON's "\ud800" escape): no UTF-8 text, named, not an internal error
+    ("/api/translate", {"model": "transformer", "sentences": ["a", "b\ud800"]}, 422,
+     "sentences[1] is not valid Unicode text: a lone surrogate U+D800 at character 1"),
+    ("/api/score", {"model": "transformer", "sources": ["a"], "targets": ["\udfff"]}, 422,
+     "targets[0] is not valid Unicode text"),
+    ("/api/flow", {"model": "transformer", "sentence": "a", "target": "\ud800"}, 422,
+     "target is not valid Unicode text"),
     ("/api/translate", [1, 2], 422, "body"),
 ])
 def test_bad_requests_are_4xx_with_one_clear_message(server: tuple[str, Any], path: str, body: Any, status: int,
