@@ -1,6 +1,7 @@
 """Loading multilingual checkpoints for inference: any trained or zero-shot direction, sentence embeddings."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,8 @@ from nmtflow.config import Config, DecodeConfig, config_from_dict
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.data.vocab import lang_tag
 from nmtflow.decode.translate import Translator, tokenizer_from_bytes
+
+log = logging.getLogger(__name__)
 from nmtflow.models.base import build_model, position_limits
 from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
 
@@ -123,10 +126,22 @@ def direction_translator(opened: Translator | MultilingualCheckpoint, path: str 
         raise CheckpointError(f"{path}: a multilingual checkpoint (trained: {', '.join(opened.directions)}{zero_shot}):"
                               " name the source and the target language")
     try:
-        return opened.translator(src_lang, tgt_lang, decode)
+        translator = opened.translator(src_lang, tgt_lang, decode)
     except (ValueError, KeyError) as exc:  # a language or direction the model does not have
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         raise CheckpointError(f"{path}: {message}") from None
+    direction = f"{src_lang}-{tgt_lang}"
+    if opened.directions and direction not in opened.directions and direction not in opened.zero_shot:
+        key = (str(path), direction)
+        if key not in _warned_untrained:  # once per checkpoint and direction (serve and the API call this often)
+            _warned_untrained.add(key)
+            log.warning("%s: %s was neither trained nor held out as zero-shot (trained: %s%s); its modules were "
+                        "trained for other directions", path, direction, ", ".join(opened.directions),
+                        f"; zero-shot: {', '.join(opened.zero_shot)}" if opened.zero_shot else "")
+    return translator
+
+
+_warned_untrained: set[tuple[str, str]] = set()
 
 
 def multilingual_translator(path: str | Path, src_lang: str, tgt_lang: str, device: str | torch.device = "cpu",

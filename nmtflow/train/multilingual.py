@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nmtflow.checkpoint import load_checkpoint
+from nmtflow.checkpoint import load_checkpoint, model_mismatch
 from nmtflow.config import ConfigError, to_dict
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import check_sentence_lengths, tokenizer_path
@@ -118,6 +118,13 @@ class MultilingualTrainer(Trainer):
                            for lang in langs}
         if self.init_checkpoint is not None and mc.init_checkpoint:
             self._check_tokenizers(self.init_checkpoint, str(init_path))
+            vocab = self.init_checkpoint["vocab"]
+            had = {*vocab.get("encoders", {}), *vocab.get("decoders", {})}
+            again = [lang for lang in mc.new_langs if lang in had]
+            if again and self.resume_from is None:  # (a resumed run's own checkpoint has them: it added them)
+                raise ConfigError(f"data.multilingual.new_langs: {again[0]!r} is already a language of "
+                                  f"{init_path}; new_langs adds languages the model lacks (to retrain {again[0]}'s "
+                                  "directions, fine-tune with train.init_from)")
         encoders = {lang: self.tokenizers[lang].vocab_size for lang in encoders}
         decoders = {lang: self.tokenizers[lang].vocab_size for lang in decoders}
         self.vocabs = LanguageVocabularies(max(encoders.values()), max(decoders.values()),
@@ -196,7 +203,8 @@ class MultilingualTrainer(Trainer):
                 _, unexpected = model.load_state_dict(self.init_checkpoint["model"], strict=False)
             except RuntimeError as exc:
                 raise ConfigError(f"data.multilingual.init_checkpoint: {mc.init_checkpoint} does not fit this "
-                                  f"model ({str(exc).splitlines()[0][:200]})") from None
+                                  f"model ({model_mismatch(exc, 200)}); give the model section the checkpoint was "
+                                  "trained with") from None
             if unexpected:
                 raise ConfigError(f"data.multilingual.init_checkpoint: unexpected parameters {unexpected[:3]}")
         if self.init_checkpoint is not None:  # the weights are in the model now (or come from resuming): not kept
@@ -226,7 +234,7 @@ class MultilingualTrainer(Trainer):
         v = self.vocabs
         ckpt["vocab"] = {"src_size": v.src_size, "tgt_size": v.tgt_size, "joint": v.joint,
                          "encoders": dict(v.encoders), "decoders": dict(v.decoders)}
-        ckpt["langs"] = {"directions": self.all_directions(), "zero_shot": [str(d) for d in self.zero_shot]}
+        ckpt["langs"] = {"directions": self.all_directions(), "zero_shot": self.all_zero_shot()}
         ckpt["tokenizers"] = tokenizer_tensors(self.tokenizer_models())
         ckpt["multilingual"] = True
         return ckpt
@@ -238,7 +246,7 @@ class MultilingualTrainer(Trainer):
         saved_config = ((ckpt.get("config") or {}).get("data") or {}).get("multilingual")
         if "directions" in langs and saved_config == to_dict(self.config.data.multilingual):
             saved = [*langs["directions"], *(f"{d} (zero-shot)" for d in langs.get("zero_shot", []))]
-            mine = [*self.all_directions(), *(f"{d} (zero-shot)" for d in self.zero_shot)]
+            mine = [*self.all_directions(), *(f"{d} (zero-shot)" for d in self.all_zero_shot())]
             changes = [f"{verb} {', '.join(ds[:4])}{' …' if len(ds) > 4 else ''}" for verb, ds in
                        (("adds", [d for d in mine if d not in saved]), ("drops", [d for d in saved if d not in mine]))
                        if ds]
@@ -255,6 +263,13 @@ class MultilingualTrainer(Trainer):
         before = (self.init_checkpoint or {}).get("langs", {}).get("directions", [])
         before = [d for d in before if Direction.parse(d) not in self.zero_shot]
         return list(dict.fromkeys([*before, *(str(d) for d in self.directions)]))
+
+    def all_zero_shot(self) -> list[str]:
+        """This run's zero-shot directions, then those of the model it started from (fine-tuning, adding languages)
+        that it does not train: they stay untrained, and the checkpoint says so."""
+        before = (self.init_checkpoint or {}).get("langs", {}).get("zero_shot", [])
+        trained = set(self.all_directions())
+        return list(dict.fromkeys([*(str(d) for d in self.zero_shot), *(d for d in before if d not in trained)]))
 
     # ---- validation --------------------------------------------------------------------------------
     @torch.no_grad()

@@ -312,6 +312,44 @@ def test_a_run_that_adds_a_language_resumes_without_its_init_checkpoint(three_la
         MultilingualTrainer(bridge_run(three_langs, tmp_path / "cut", 4, **add_fr), resume=False)
 
 
+def test_zero_shot_directions_stay_listed_after_fine_tuning_and_adding_a_language(
+        three_langs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A model trained from another keeps that one's untrained (zero-shot) directions listed as such; new_langs
+    naming a language the model has is refused; decoding a direction neither trained nor zero-shot warns."""
+    from nmtflow.config import ConfigError
+    from nmtflow.decode.multilingual import multilingual_translator
+    from nmtflow.train.multilingual import MultilingualTrainer
+
+    base = tmp_path / "base" / "checkpoint_last.pt"
+    train_losses(MultilingualTrainer(bridge_run(three_langs, base.parent, 1, zero_shot=["de-fr", "fr-de"])))
+    assert load_checkpoint(base)["langs"]["zero_shot"] == ["de-fr", "fr-de"]
+    tuned = bridge_run(three_langs, tmp_path / "tuned", 1, pairs=["en-de", "de-fr"])  # de-fr trained now
+    tuned.train.init_from = str(base)
+    train_losses(MultilingualTrainer(tuned))
+    langs = load_checkpoint(tmp_path / "tuned" / "checkpoint_last.pt")["langs"]
+    assert langs["zero_shot"] == ["fr-de"] and "de-fr" in langs["directions"] and "fr-en" in langs["directions"]
+
+    two = tmp_path / "two" / "checkpoint_last.pt"
+    train_losses(MultilingualTrainer(bridge_run(three_langs, two.parent, 1, langs=["en", "de"],
+                                                pairs=["en-de", "de-en"])))
+    add_fr = {"langs": ["en", "de"], "new_langs": ["fr"], "pairs": ["en-fr"], "init_checkpoint": str(two)}
+    train_losses(MultilingualTrainer(bridge_run(three_langs, tmp_path / "added", 1, **add_fr)))
+    with pytest.raises(ConfigError, match=r"^data\.multilingual\.new_langs: 'de' is already a language of "):
+        MultilingualTrainer(bridge_run(three_langs, tmp_path / "again", 1, **{**add_fr, "new_langs": ["de"],
+                                                                                 "pairs": []}))
+
+    wider = bridge_run(three_langs, tmp_path / "wider", 1, **add_fr)
+    wider.model.hidden_dim = 32  # the base model has 16
+    with pytest.raises(ConfigError, match=r"does not fit this model \(size mismatch for .*; give the model section"):
+        MultilingualTrainer(wider)
+
+    caplog.set_level("WARNING", logger="nmtflow.decode.multilingual")
+    multilingual_translator(two, "en", "de")
+    assert not caplog.records  # trained
+    multilingual_translator(two, "de", "de")
+    assert f"{two}: de-de was neither trained nor held out as zero-shot (trained: en-de, de-en)" in caplog.text
+
+
 def epoch_config(data: Path, save_dir: Path, max_epochs: int):
     from tests.conftest import tiny_config
 
