@@ -113,7 +113,8 @@ class Model:
         several checkpoints give their ensemble's."""
         src, tgt = src_lang or self.src_lang, tgt_lang or self.tgt_lang
         if bool(src) != bool(tgt):
-            raise ValueError(f"name both languages of the direction, got src_lang={src!r}, tgt_lang={tgt!r}")
+            raise ValueError(f"{', '.join(map(str, self.paths))}: name both languages of the direction, got "
+                             f"src_lang={src!r}, tgt_lang={tgt!r}")
         if (src, tgt) not in self._translators:
             members = [direction_translator(o, p, src, tgt, self.decode) for o, p in zip(self._opened, self.paths)]
             self._translators[src, tgt] = members[0] if len(members) == 1 else ensemble_translator(members,

@@ -257,8 +257,11 @@ def test_directions_of_a_multilingual_model(bridge: str) -> None:
         nmtflow.load(bridge, src_lang="xx", tgt_lang="en")
     with pytest.raises(CheckpointError, match="language 'xx' is unknown"):
         model.translate(lines, tgt_lang="xx")
-    with pytest.raises(ValueError, match="name both languages"):
+    with pytest.raises(ValueError, match=f"^{re.escape(bridge)}: name both languages"):
         nmtflow.load(bridge, src_lang="de")
+    with pytest.raises(CheckpointError, match=f"^{re.escape(bridge)}: a multilingual checkpoint \\(trained: .*de-en.*; "
+                                              "zero-shot: de-fr.*\\): name the direction with --src-lang"):
+        Translator.from_checkpoint(bridge)  # what `nmtflow translate` without --src-lang/--tgt-lang says
 
 
 def test_a_bilingual_model_translates_only_its_own_direction(checkpoints: tuple[str, str]) -> None:

@@ -241,8 +241,10 @@ class Translator:
         """The model of checkpoint ``path`` (``ckpt``: its contents, when already loaded)."""
         ckpt = load_checkpoint(path) if ckpt is None else ckpt
         if ckpt.get("multilingual"):  # see nmtflow.decode.multilingual
-            raise CheckpointError(f"{path}: a multilingual checkpoint ({', '.join(ckpt['langs']['directions'])}): "
-                                  "name the direction with --src-lang and --tgt-lang")
+            langs = ckpt["langs"]
+            zero_shot = f"; zero-shot: {', '.join(langs['zero_shot'])}" if langs.get("zero_shot") else ""
+            raise CheckpointError(f"{path}: a multilingual checkpoint (trained: {', '.join(langs['directions'])}"
+                                  f"{zero_shot}): name the direction with --src-lang and --tgt-lang")
         try:
             config = config_from_dict(ckpt["config"])
             vocab = Vocabularies(**ckpt["vocab"])
