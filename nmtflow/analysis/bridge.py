@@ -73,11 +73,11 @@ def _pick_direction(path: str | Path, trained: list[str], zero_shot: list[str], 
     fits = [d for d in known if not d.is_copy and d.src == (src_lang or d.src) and d.tgt == (tgt_lang or d.tgt)]
     if len(fits) == 1:
         return fits[0].src, fits[0].tgt
-    names = ", ".join(d for d in trained if not Direction.parse(d).is_copy) or "none"
-    names += f"; zero-shot {', '.join(zero_shot)}" if zero_shot else ""
+    names = f"trained: {', '.join(trained) or 'none'}"  # copy directions too, as translate lists them
+    names += f"; zero-shot: {', '.join(zero_shot)}" if zero_shot else ""
     if not fits and (src_lang or tgt_lang):
-        raise ValueError(f"{path}: no direction {src_lang or '*'}-{tgt_lang or '*'} (the model has {names})")
-    raise ValueError(f"{path}: a multilingual model (directions {names}): name --src-lang and --tgt-lang")
+        raise ValueError(f"{path}: no direction {src_lang or '*'}-{tgt_lang or '*'} ({names})")
+    raise ValueError(f"{path}: a multilingual model ({names}): name --src-lang and --tgt-lang")
 
 
 def _pick_encoder(path: str | Path, ckpt: dict[str, Any], src_lang: str | None) -> tuple[str, str]:

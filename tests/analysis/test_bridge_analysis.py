@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nmtflow.analysis.bridge import (Bucket, EntropyStats, assign_buckets, bleu_by_bucket, bridge_attention,
-                                     head_entropy, parse_buckets, path_labels, unpadded)
+                                     _pick_direction, head_entropy, parse_buckets, path_labels, unpadded)
 from nmtflow.cli import main
 from nmtflow.config import load_config
 from nmtflow.data.vocab import PAD
@@ -144,7 +144,12 @@ def test_length_bleu_command(tiny: dict[str, Any], tmp_path: Path, capsys: pytes
     # a multilingual model needs its direction; a bilingual one cannot translate another
     assert main(["analyze", "length-bleu", tiny["bridge"], "--src", str(src), "--ref", str(ref),
                  "--out", str(tmp_path / "x")]) == 2
-    assert "--src-lang and --tgt-lang" in capsys.readouterr().err
+    assert "(trained: en-de, de-en, en-fr, fr-en; zero-shot: de-fr): name --src-lang and --tgt-lang" in \
+        capsys.readouterr().err
+    # copy directions are listed as translate lists them, but only named ones are picked
+    with pytest.raises(ValueError, match=r"no direction en-\* \(trained: de-en, en-en; zero-shot: de-fr\)"):
+        _pick_direction("m.pt", ["de-en", "en-en"], ["de-fr"], "en", None)
+    assert _pick_direction("m.pt", ["de-en", "en-en"], [], None, "en") == ("de", "en")
     assert main(["analyze", "length-bleu", tiny["rnn"], "--src", str(src), "--ref", str(ref), "--src-lang", "fr",
                  "--tgt-lang", "de", "--out", str(tmp_path / "x")]) == 2
     assert "en-de model cannot translate fr-de" in capsys.readouterr().err
