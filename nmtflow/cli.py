@@ -218,7 +218,7 @@ def _read_lines(path: str) -> list[str]:
 
 def _stdin_lines():
     """stdin line by line, each as it arrives; invalid UTF-8 is a CorpusError naming ``<stdin>`` and the line."""
-    from nmtflow.data.corpus import CorpusError
+    from nmtflow.data.corpus import CorpusError, cr_ended, cr_ended_error
 
     stream = getattr(sys.stdin, "buffer", None)
     if stream is None:  # a replaced text stream
@@ -226,10 +226,13 @@ def _stdin_lines():
         return
     for n, raw in enumerate(stream, 1):
         try:
-            yield raw.decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise CorpusError("<stdin>", f"invalid UTF-8 at byte offset {exc.start} of the line ({exc.reason})",
                               line=n) from None
+        if n == 1 and not raw.endswith(b"\n") and cr_ended(text):  # all of stdin is one line
+            raise cr_ended_error("<stdin>", text)
+        yield text
 
 
 @contextlib.contextmanager
@@ -311,7 +314,7 @@ def _refuse(args: argparse.Namespace, options: Iterable[str], why: str) -> None:
 @command
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from nmtflow.config import BLEU_TOKENIZER, check_tokenizer
-    from nmtflow.evaluate.metrics import DEFAULT_METRICS, check_metrics, corpus_scores
+    from nmtflow.evaluate.metrics import DEFAULT_METRICS, check_metrics, corpus_scores, warn_not_nfc
 
     if args.perplexity:
         _refuse(args, ("hyp", "src", "ref", "output", "metrics", "tokenize", "lowercase", *SEARCH_OPTIONS),
@@ -347,6 +350,9 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
             raise ValueError(f"{args.hyp or args.src} has {len(lines)} lines but {path} has {len(stream)}")
     if not lines:
         raise ValueError(f"{args.ref[0]} is empty: no sentences to score")
+    for path, stream in zip([*args.ref, args.hyp], [*refs, lines]):
+        if path:
+            warn_not_nfc(stream, path)
     if args.hyp:
         hyps = lines
     else:

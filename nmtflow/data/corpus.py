@@ -31,6 +31,20 @@ class CorpusError(ValueError):
         return (type(self), (self.file, self.problem, self.line))
 
 
+def cr_ended(text: str) -> bool:
+    """True when ``text`` (a whole file, or its only line) holds carriage returns and no line feed before its end:
+    lines ended by CR alone, as classic Mac OS wrote them, which every reader here would take as one line."""
+    body = text.rstrip("\r\n")
+    return "\r" in body and "\n" not in body
+
+
+def cr_ended_error(path: str | Path, text: str) -> CorpusError:
+    """The error for a :func:`cr_ended` file ``path`` (``text`` its content): what it is and how to convert it."""
+    n = text.count("\r")
+    return CorpusError(path, f"lines ended by CR alone (classic Mac; {n} carriage return{'s' * (n != 1)}, no line "
+                             "feed): convert them with tr '\\r' '\\n'")
+
+
 def read_lines(path: str | Path) -> list[str]:
     """The lines of a UTF-8 text file, without line ends (CRLF or LF) or a byte-order mark; errors are
     :class:`CorpusError` naming the file, and for invalid UTF-8 the line and byte offset within it."""
@@ -45,9 +59,8 @@ def read_lines(path: str | Path) -> list[str]:
         start = data.rfind(b"\n", 0, exc.start) + 1
         raise CorpusError(path, f"invalid UTF-8 at byte offset {exc.start - start} of the line ({exc.reason})",
                           line=data.count(b"\n", 0, exc.start) + 1) from None
-    if "\n" not in text and "\r" in text.rstrip("\r"):  # one "line" of several: translate would give one output
-        raise CorpusError(path, f"lines ended by CR alone (classic Mac; {text.count(chr(13))} carriage returns, no "
-                                "line feed): convert them with tr '\\r' '\\n'")
+    if cr_ended(text):  # one "line" of several: translate would give one output
+        raise cr_ended_error(path, text)
     lines = text.removeprefix("\ufeff").split("\n")  # a byte-order mark, as `prepare` tolerates it
     if lines and lines[-1] == "":
         lines.pop()
@@ -117,6 +130,8 @@ def _iter_lines(path: Path, block_size: int = _READ_CHUNK) -> Iterator[str]:
                 )
             if line_no == 0 and text.startswith("\ufeff"):  # tolerate a byte-order mark
                 text = text[1:]
+            if line_no == 0 and cr_ended(text):  # a first block without a line feed is the whole file
+                raise cr_ended_error(path, text)
             lines = text.split("\n")
             if text.endswith("\n") or not text:
                 lines.pop()
@@ -139,6 +154,8 @@ def iter_tsv(path: str | Path, *, skip_blank: bool = True) -> Iterator[tuple[int
                                   line=line_no) from None
             if line_no == 1:
                 text = text.removeprefix("\ufeff")
+                if cr_ended(text) and not fh.peek(1):  # the whole file is one line
+                    raise cr_ended_error(path, raw.decode("utf-8"))
             if text.strip() or not skip_blank:
                 yield line_no, text.split("\t")
 

@@ -37,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .binarize import IndexedDataset, IndexedWriter
-from .corpus import CleanConfig, CorpusError, iter_parallel, keep_mask
+from .corpus import CleanConfig, CorpusError, is_blank, iter_parallel, keep_mask
 from .locks import LockHeld, lock_file
 from .tokenizer import Tokenizer
 from .vocab import lang_tag
@@ -536,13 +536,21 @@ def _check_splits(files: dict[str, list[Path]], train_split: str, disable: bool 
     lines outside ``train_split``); an empty split is a CorpusError."""
     lines: dict[str, int] = {}
     for split, paths in files.items():
-        n = 0
+        n, full = 0, split != train_split  # full: a row with text on every side (other splits have no blank line)
         with tqdm(desc=f"check {split}", unit=" lines", disable=disable, leave=False) as bar:
             for chunk in _chunks(iter_parallel(paths, allow_empty=(split == train_split)), 1 << 16):
                 n = chunk[-1][0]
+                full = full or any(all(t and not is_blank(t) for t in texts) for _, texts in chunk)
                 bar.update(len(chunk))
         if n == 0:
             raise CorpusError(paths[0], f"the {'training' if split == train_split else split} split is empty")
+        if not full:  # SentencePiece would fail on it with an internal error, else cleaning would drop every row
+            blank = [0] * len(paths)
+            for _, texts in iter_parallel(paths):
+                blank = [b + (not t or is_blank(t)) for b, t in zip(blank, texts)]
+            side = int(np.argmax(blank))  # the file to blame: the one with the most blank lines
+            raise CorpusError(paths[side], f"the training split has no row with text in every file: {blank[side]} of "
+                                           f"its {n} lines are blank")
         lines[split] = n
     return lines
 

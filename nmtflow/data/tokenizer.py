@@ -3,6 +3,10 @@
 New models use byte fallback: a character that training never saw is encoded as the UTF-8 bytes of it (pieces
 ``<0x00>``–``<0xFF>``, part of the vocabulary) instead of ``<unk>``, so any text comes back from encode and decode
 as it was (after SentencePiece's NFKC normalisation).
+
+Text is encoded after :func:`~nmtflow.data.corpus.normalize_line`, as ``prepare`` reads its corpora, so that training
+and inference see the same characters. Decoded text holds no line break or tab: byte pieces can spell one (no training
+sentence holds one), and one output must stay one line of a file or field of a TSV.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import numpy as np
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
-from .corpus import CorpusError
+from .corpus import CorpusError, normalize_line
 from .vocab import BOS, BOS_PIECE, EOS, EOS_PIECE, PAD, PAD_PIECE, UNK, UNK_PIECE
 
 
@@ -66,6 +70,16 @@ def _too_small(vocab_size: int, needed: int, user_symbols: int, byte_fallback: b
 def _utf8_width(lead: int) -> int:
     """Bytes of the UTF-8 sequence that starts with byte ``lead`` (1 for a byte that starts none)."""
     return 2 if 0xC0 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 else 4 if 0xF0 <= lead < 0xF8 else 1
+
+
+#: Line breaks (those of :meth:`str.splitlines`) and tabs: byte pieces can spell them in a translation.
+_BREAKS = re.compile("[\t\n\v\f\r\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with its whitespace normalised (:func:`~nmtflow.data.corpus.normalize_line`) if it holds a line
+    break or tab; unchanged otherwise."""
+    return normalize_line(text) if _BREAKS.search(text) else text
 
 
 def unicode_problem(text: str) -> str | None:
@@ -234,10 +248,10 @@ class Tokenizer:
         return self._size
 
     def encode(self, text: str) -> list[int]:
-        """Subword ids of ``text`` (no BOS/EOS)."""
+        """Subword ids of ``text`` (no BOS/EOS), its whitespace normalised as ``prepare`` normalises it."""
         try:
-            return self._sp.Encode(text, out_type=int)
-        except (TypeError, RuntimeError):  # SentencePiece's words for a str that is no UTF-8 text
+            return self._sp.Encode(normalize_line(text), out_type=int)
+        except (TypeError, AttributeError, RuntimeError):  # SentencePiece's words for a str that is no UTF-8 text
             raise ValueError(f"text {unicode_problem(text) or 'is not a str'}") from None
 
     def encode_batch(self, texts: list[str], where: Callable[[int], str] | None = None) -> list[list[int]]:
@@ -248,8 +262,8 @@ class Tokenizer:
         if not texts:
             return []
         try:
-            return self._sp.Encode(texts, out_type=int, num_threads=self.num_threads)
-        except (TypeError, RuntimeError):
+            return self._sp.Encode([normalize_line(t) for t in texts], out_type=int, num_threads=self.num_threads)
+        except (TypeError, AttributeError, RuntimeError):  # AttributeError: a text that is no str
             for n, text in enumerate(texts):
                 problem = unicode_problem(text) if isinstance(text, str) else f"is a {type(text).__name__}, not a str"
                 if problem:
@@ -270,15 +284,15 @@ class Tokenizer:
         return arr.tolist()
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Text of ``ids``: stops at the first EOS, skips PAD and BOS."""
-        return self._sp.Decode(self._clean_ids(ids))
+        """Text of ``ids``: stops at the first EOS, skips PAD and BOS; one line (:func:`one_line`)."""
+        return one_line(self._sp.Decode(self._clean_ids(ids)))
 
     def decode_batch(self, batch: Sequence[Sequence[int]]) -> list[str]:
         """:meth:`decode` for many sequences (rows of a 2-D array work too)."""
         cleaned = [self._clean_ids(ids) for ids in batch]
         if not cleaned:
             return []
-        return self._sp.Decode(cleaned, num_threads=self.num_threads)
+        return [one_line(text) for text in self._sp.Decode(cleaned, num_threads=self.num_threads)]
 
     # -- pieces -------------------------------------------------------------------------------
     def piece(self, i: int) -> str:

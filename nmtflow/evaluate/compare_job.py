@@ -160,6 +160,9 @@ def load_texts(item: dict[str, Any], max_sentences: int | None) -> tuple[list[st
         src, ref = read_lines(item["src_file"]), read_lines(item["ref_file"])
         if len(src) != len(ref):
             raise ValueError(f"{item['src_file']} has {len(src)} lines but {item['ref_file']} has {len(ref)}")
+        from nmtflow.evaluate.metrics import warn_not_nfc
+
+        warn_not_nfc(ref, item["ref_file"])
     else:
         from nmtflow.data.prepare import load_meta, load_split, load_tokenizer
 

@@ -1,7 +1,9 @@
 """Corpus metrics through sacreBLEU (Post 2018), with their reproducibility signatures."""
 from __future__ import annotations
 
+import logging
 import math
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -9,6 +11,8 @@ from typing import Any
 import sacrebleu
 
 from nmtflow.config import BLEU_TOKENIZER, bleu_metric, bleu_tokenizers
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -24,6 +28,18 @@ class Score:
 BLEU_TOKENIZERS: tuple[str, ...] = bleu_tokenizers()  # 13a, intl, zh, ja-mecab, char, ...
 METRICS = ("bleu", "chrf", "chrf++", "ter")
 DEFAULT_METRICS = ("bleu", "chrf")
+
+
+def warn_not_nfc(lines: Sequence[str], name: str) -> int:
+    """Warn when lines of the file ``name`` are not in Unicode NFC (e.g. decomposed accents, as macOS tools write
+    them): BLEU and chrF count a composed and a decomposed character as different, and nmtflow's translations are
+    composed (NFKC). Returns the number of such lines."""
+    bad = [n for n, line in enumerate(lines, 1) if not line.isascii() and not unicodedata.is_normalized("NFC", line)]
+    if bad:
+        log.warning("%s: %d of %d lines are not in Unicode NFC (first: line %d); BLEU and chrF count a decomposed "
+                    "character as different from the composed one nmtflow writes: normalise the file to NFC (e.g. "
+                    "uconv -x any-nfc, or Python's unicodedata.normalize)", name, len(bad), len(lines), bad[0])
+    return len(bad)
 
 
 def check_metrics(metrics: Sequence[str]) -> None:

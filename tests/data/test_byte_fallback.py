@@ -75,6 +75,31 @@ def test_byte_pieces_are_labelled_as_characters_and_bad_bytes_do_not_crash(toks:
     assert old.labels(old.encode("Zoë alpha")) == [old.piece(i) for i in old.encode("Zoë alpha")]
 
 
+def test_a_translation_spelling_a_line_break_or_tab_in_bytes_stays_one_line(toks: dict[bool, Tokenizer]) -> None:
+    """Byte pieces can spell LF, CR, tab, NEL or U+2028 (no training sentence holds one): a sampled translation
+    of an undertrained model did, and translate wrote more lines than it read, nbest lines with extra fields."""
+    tok = toks[True]
+    a, b = tok.encode("a")[-1], tok.encode("b")[-1]
+    for spelled in ("\n", "\r", "\r\n", "\t", "\x0b", "\x1c", "\x85", "\u2028"):
+        ids = [a, *(tok.id(f"<0x{byte:02X}>") for byte in spelled.encode("utf-8")), b]
+        assert tok.decode(ids) == "a b" and tok.decode_batch([ids, [b]]) == ["a b", "b"], repr(spelled)
+    assert tok.decode(tok.encode("a  b")) == "a b" and tok.decode([tok.id("<0x20>"), a]) == " a"  # others unchanged
+
+
+def test_whitespace_is_normalised_as_prepare_normalises_it(toks: dict[bool, Tokenizer], tmp_path: Path) -> None:
+    """NEL (U+0085, cp1252 text read as Latin-1) and the separators U+001C-U+001F are whitespace to prepare's
+    reader but not to SentencePiece: a sentence encoded them as bytes at inference and as a space in training."""
+    from nmtflow.data.corpus import iter_parallel
+
+    tok = toks[True]
+    for line in ("a\x85b", "a\x1fb", "a\u2028 b", " a\u3000b "):
+        path = tmp_path / "line.txt"
+        path.write_text(line + "\n", encoding="utf-8")
+        [(_, (read,))] = list(iter_parallel([path]))
+        assert tok.encode(line) == tok.encode(read) == tok.encode("a b"), repr(line)
+        assert tok.encode_batch([line, read]) == [tok.encode("a b")] * 2
+
+
 @pytest.mark.parametrize("byte_fallback", [True, False])
 def test_the_smallest_vocabulary_works_and_one_less_names_it(text: Path, tmp_path: Path, byte_fallback: bool) -> None:
     smallest = minimum(text, byte_fallback)

@@ -48,12 +48,17 @@ def test_mismatched_line_counts_name_file_and_counts(tmp_path, short_first):
 
 
 def test_a_file_with_carriage_return_line_ends_is_named_as_such(tmp_path):
-    """A classic-Mac file reads as one line; the mismatch error says why."""
+    """A classic-Mac file is an error, not one line (two such files made one row of every sentence); a file partly
+    so reads as fewer lines, and the mismatch error says why."""
     mac = write(tmp_path / "mac.en", "a b\rc d\re f\r")
     unix = write(tmp_path / "unix.de", "a b\r\nc d\r\ne f\r\n")
-    with pytest.raises(CorpusError, match=r"mac.en: has 1 lines but .*unix.de has 3 lines .*; it has 3 carriage "
+    for paths in ([mac, unix], [unix, mac], [mac, mac]):
+        with pytest.raises(CorpusError, match=r"mac.en: lines ended by CR alone \(classic Mac; 3 carriage returns"):
+            list(iter_parallel(paths))
+    mixed = write(tmp_path / "mixed.en", "a b\rc d\ne f\r")
+    with pytest.raises(CorpusError, match=r"mixed.en: has 2 lines but .*unix.de has 3 lines .*; it has 2 carriage "
                                           r"returns not followed by a line feed: lines ended by CR alone"):
-        list(iter_parallel([mac, unix]))
+        list(iter_parallel([mixed, unix]))
     from nmtflow.data.corpus import _bare_carriage_returns
 
     assert [_bare_carriage_returns(unix, block_size=n) for n in (1, 2, 3, 64)] == [0, 0, 0, 0]

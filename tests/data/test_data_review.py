@@ -198,3 +198,12 @@ def test_a_file_of_lines_ended_by_cr_alone_is_named_not_read_as_one_line(tmp_pat
     assert read_lines(windows) == ["a b", "c d"]
     mac.write_bytes(b"one line\r")  # a single line with its CR end is a line
     assert read_lines(mac) == ["one line"]
+    # the same for TSV files (score --candidates, downstream tasks): two items were read as one
+    tsv = tmp_path / "mac.tsv"
+    tsv.write_bytes(b"a\tb\rc\td\r")
+    with pytest.raises(CorpusError, match=r"mac\.tsv: lines ended by CR alone \(classic Mac; 2 carriage returns"):
+        list(iter_tsv(tsv))
+    tsv.write_bytes(b"a\tb\r\nc\td\r\n")
+    assert list(iter_tsv(tsv)) == [(1, ["a", "b"]), (2, ["c", "d"])]
+    tsv.write_bytes(b"a\tb\r")
+    assert list(iter_tsv(tsv)) == [(1, ["a", "b"])]

@@ -175,6 +175,20 @@ def test_empty_valid_split_is_an_error(tmp_path, corpus):
     assert str(err.value).startswith(f"{tmp_path / 'empty.en'}: the valid split is empty")
 
 
+def test_a_training_split_without_a_row_of_text_is_an_error(tmp_path, corpus):
+    """Blank lines only, or text on one side at a time: SentencePiece failed with its internal error."""
+    for name, en, de, blamed in (("blank", ["", " "], ["", "\t"], "en: ... 2 of its 2"),
+                                 ("apart", ["a b", "", ""], ["", "c d", ""], "en: ... 2 of its 3"),
+                                 ("one", ["a b", "c d"], ["", " \u200b"], "de: ... 2 of its 2")):
+        corpus["train"] = write_split(tmp_path, name, en, de)
+        with pytest.raises(CorpusError) as err:
+            prepare(corpus, ["en", "de"], tmp_path / "out", vocab_size=300, byte_fallback=False)
+        side, count = blamed.split(": ... ")
+        assert str(err.value) == (f"{tmp_path / name}.{side}: the training split has no row with text in every file: "
+                                  f"{count} lines are blank")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_failed_check_leaves_a_prepared_directory_usable(tmp_path, corpus):
     out = tmp_path / "prepared"
     meta = prepare(corpus, ["en", "de"], out, vocab_size=300, byte_fallback=False)

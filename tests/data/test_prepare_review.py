@@ -65,8 +65,8 @@ def test_all_training_rows_dropped_names_the_empty_file(raw: Path, tmp_path: Pat
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     (raw / "train.de").write_text(" \n" * 40, encoding="utf-8")
     code, _, err = prepare_cli(tmp_path, capsys, "--vocab-size", "60")
-    assert code == 2 and err.startswith(f"nmtflow prepare: error: {raw / 'train.de'}: cleaning dropped all 40")
-    assert "40 of its lines are empty" in err
+    assert code == 2 and err.startswith(f"nmtflow prepare: error: {raw / 'train.de'}: the training split has no row "
+                                        "with text in every file: 40 of its 40 lines are blank")
 
 
 def test_a_vocab_size_beyond_the_data_is_reported(raw: Path, tmp_path: Path,

@@ -99,6 +99,9 @@ def test_a_failed_translate_keeps_the_existing_output(ckpt: str, tmp_path: Path,
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"alpha\nbravo\n" * 600 + b"ok\n\xff\xfe\n")))
     code, _, err = run(["translate", ckpt, "-o", str(keep), "--max-len-b", "1", "--greedy"], capsys)
     assert code == 2 and "<stdin>:1202" in err
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"alpha\rbravo\r")))  # classic-Mac line ends
+    code, _, err = run(["translate", ckpt, "-o", str(keep), "--greedy"], capsys)
+    assert code == 2 and "<stdin>: lines ended by CR alone (classic Mac; 2 carriage returns" in err
     assert keep.read_text(encoding="utf-8") == "yesterday's output\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.hyp"]  # no temporary file left behind
     # success replaces the file (its permissions kept), from a file and from stdin

@@ -72,6 +72,23 @@ def test_bad_metric_options_are_one_line_errors(extra: list[str], message: str, 
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_reference_not_in_nfc_is_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The same text decomposed (NFD, as macOS tools write it) scored BLEU 78.66 without a word."""
+    import unicodedata
+
+    text = ["Ein Mädchen läuft .", "zwei Hunde", "Čeština"]
+    nfc, nfd = tmp_path / "nfc", tmp_path / "nfd"
+    nfc.write_text("".join(line + "\n" for line in text), encoding="utf-8")
+    nfd.write_text(unicodedata.normalize("NFD", nfc.read_text(encoding="utf-8")), encoding="utf-8")
+    with caplog.at_level("WARNING", logger="nmtflow"):
+        assert scores(["--hyp", str(nfc), "--ref", str(nfc)], capsys)["BLEU"]["score"] == 100
+        assert not caplog.records
+        assert scores(["--hyp", str(nfc), "--ref", str(nfd)], capsys)["BLEU"]["score"] < 100
+    [record] = caplog.records
+    assert record.getMessage().startswith(f"{nfd}: 2 of 3 lines are not in Unicode NFC (first: line 1); BLEU and chrF")
+
+
 def test_a_reference_of_another_length_is_named(files: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["evaluate", "--hyp", files["hyp"], "--ref", files["ref1"], files["short"]]) == 2
     assert f"{files['hyp']} has 3 lines but {files['short']} has 2" in capsys.readouterr().err
