@@ -59,18 +59,40 @@ def write_atomic(path: str | Path, write: Callable[[BinaryIO], None], what: str,
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:  # a full disk or inode table, a read-only directory: the target named, not the temporary
         raise write_failure(path, what, exc, unchanged=os.path.exists(path)) from None
+    handle: _RecordingWriter | None = None
     try:
         os.fchmod(fd, new_file_mode() if mode is None else mode)
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        with os.fdopen(fd, "wb") as file:
+            handle = _RecordingWriter(file)
+            write(handle)  # type: ignore[arg-type]
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, (OSError, RuntimeError)):  # torch.save reports a failed write as a RuntimeError
-            raise write_failure(path, what, exc, unchanged=True) from None
+            cause = handle.error if handle is not None and handle.error is not None else exc
+            raise write_failure(path, what, cause, unchanged=True) from None
         raise
+
+
+class _RecordingWriter:
+    """A binary file that keeps the ``OSError`` its ``write`` raised: ``torch.save`` swallows it and reports
+    only "unexpected pos N vs M", where the system's reason ("File too large", "No space left on device") matters."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:  # flush, tell, fileno, ...
+        return getattr(self._file, name)
 
 
 def integrity_code(obj: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,9 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -115,8 +117,23 @@ def _checkpoint_tokenizers(args: argparse.Namespace) -> dict[str, Any]:
             for lang in args.langs or models}
 
 
+def _term_as_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 @command
 def cmd_train(args: argparse.Namespace) -> int:
+    """``nmtflow train``; SIGTERM stops it as Ctrl-C does, in set-up too (the loop saves first)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _term_as_interrupt) if main_thread else None
+    try:
+        return _train(args)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _train(args: argparse.Namespace) -> int:
     from nmtflow.config import load_config
     from nmtflow.train.trainer import Trainer
 

@@ -450,3 +450,25 @@ def test_a_full_disk_names_the_file_it_could_not_write(case: str, run_dir: Path,
         results.symlink_to("/dev/full")
         with pytest.raises(OSError, match=f"^{results}: could not write the results \\(No space left on device\\)$"):
             write_json({"a": 1}, results)
+
+
+def test_a_checkpoint_write_that_runs_out_of_room_partway_gives_the_reason(tmp_path: Path) -> None:
+    """The disk (here the file size limit) fills after the first records: torch.save swallowed the OSError and the
+    error was PyTorch's "[enforce fail at inline_container.cc:672] . unexpected pos N vs M"."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "checkpoint_last.pt"
+    target.write_bytes(b"earlier")
+    script = ("import resource, sys, torch\n"
+              "from nmtflow.checkpoint import save_atomic\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000))\n"
+              "try:\n"
+              f"    save_atomic({{'w': torch.zeros(300_000)}}, {str(target)!r})\n"
+              "except OSError as exc:\n"
+              "    print(exc, exc.errno)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.strip() == (f"{target}: could not write the checkpoint (File too large); it is unchanged "
+                                   f"{errno.EFBIG}"), done.stderr
+    assert target.read_bytes() == b"earlier" and not list(tmp_path.glob(".*.tmp"))

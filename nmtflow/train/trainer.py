@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from nmtflow.checkpoint import (CheckpointError, FORMAT, integrity_code, load_checkpoint, lock_save_dir, new_run_id,
                                 periodic_checkpoints, remove_interrupted_saves, save_atomic, unlock_save_dir,
-                                write_failure, write_text_atomic)
+                                write_atomic, write_failure, write_text_atomic)
 from nmtflow.config import CUDA_ONLY_PRECISIONS, Config, ConfigError, differing_settings, to_dict, yaml_dump
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import check_sentence_lengths, open_bitext, tokenizer_path
@@ -115,6 +115,10 @@ class Trainer:
             remove_interrupted_saves(self.save_dir)
         torch.manual_seed(tc.seed)
         last = self.save_dir / "checkpoint_last.pt"
+        if resume and self.dist.is_main and not last.is_file():
+            self.complete_first_save()
+        if resume and self.dist.enabled:  # every rank sees what rank 0 completed
+            distributed.barrier()
         self.resume_from: Path | None = last if resume and last.is_file() else None  # set before the seams run
         # fine-tuning (train/finetune.py): a new run loads the weights of train.init_from; a resumed one its own
         self.init_source: dict[str, Any] | None = None  # that checkpoint, until its weights are in the model
@@ -224,6 +228,34 @@ class Trainer:
         update, path = max(found, key=lambda item: item[0])
         return (f"; the save dir's {path.name} is intact and holds the training state at update {update}: to resume "
                 "from there, copy it to checkpoint_last.pt")
+
+    def complete_first_save(self) -> None:
+        """Finish a first save cut short (``kill -9``) after its ``checkpoint_best.pt`` or ``checkpoint_N.pt`` but
+        before ``checkpoint_last.pt``: the save dir's checkpoints are then intact copies of one training state (one
+        run, one update) saved by this config, and checkpoint_last.pt becomes one more copy, so a plain rerun
+        resumes exactly. Anything else (checkpoints of several updates or runs, other settings, a damaged file)
+        is left for the error that asks the user."""
+        earlier = self.earlier_checkpoints()
+        if not earlier:
+            return
+        states = []
+        for path in earlier:
+            try:
+                ckpt = load_checkpoint(path)
+            except CheckpointError:
+                return
+            progress = ckpt.get("progress")
+            if not (all(key in ckpt for key in ("optimizer", "scheduler", "rng", "run_id"))
+                    and isinstance(progress, dict)):
+                return
+            states.append((str(ckpt["run_id"]), int(progress.get("update", -1)), ckpt.get("config") or {}))
+        run_id, update, saved = states[0]
+        if any(state[:2] != (run_id, update) for state in states) or changed_settings(saved, to_dict(self.config)):
+            return
+        data = earlier[0].read_bytes()
+        write_atomic(self.save_dir / "checkpoint_last.pt", lambda handle: handle.write(data), "the checkpoint")
+        log.warning("%s: the first save, at update %d, was cut short before checkpoint_last.pt; completed it from "
+                    "%s, which holds the same training state", self.save_dir, update, earlier[0].name)
 
     def earlier_checkpoints(self) -> list[Path]:
         """The save dir's periodic checkpoints and checkpoint_best.pt (checkpoint_last.pt aside)."""
@@ -749,8 +781,9 @@ def trim_log(path: Path, update: int) -> None:
     The rewrite is atomic (:func:`~nmtflow.checkpoint.write_text_atomic`): a crash or a full disk during it
     leaves the old log whole.
     """
-    if path.is_file():
-        kept = [line for line, entry in _log_entries(path) if entry.get("update", 0) <= update]
+    if path.is_file():  # a start at the update is a resume from this same checkpoint that was cut short in turn
+        kept = [line for line, entry in _log_entries(path) if entry.get("update", 0) < update
+                or (entry.get("update", 0) == update and entry.get("kind") != "start")]
         write_text_atomic(path, "".join(line + "\n" for line in kept), "the log")
 
 

@@ -3,6 +3,7 @@ config.yaml reads back as written, devices the machine lacks and unreadable chec
 save dir whose checkpoint_last.pt is missing or holds no training state is neither resumed nor wiped."""
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 from nmtflow.checkpoint import FORMAT, CheckpointError, average_checkpoints, load_checkpoint, save_atomic
 from nmtflow.cli import main
 from nmtflow.config import ConfigError, load_config, to_dict, yaml_dump, yaml_load
-from nmtflow.train.trainer import resolve_device
+from nmtflow.train.trainer import read_log, resolve_device, trim_log
 
 TINY = "model: {name: transformer, d_model: 32, ffn_dim: 64, heads: 2, encoder_layers: 1, decoder_layers: 1}\n"
 
@@ -175,6 +176,63 @@ def test_checkpoints_without_checkpoint_last_are_kept_until_restart(copy_data: P
     finally:
         torch.set_num_threads(threads)
     assert load_checkpoint(run / "checkpoint_last.pt")["progress"]["update"] == 2
+
+
+def test_a_first_save_cut_short_before_checkpoint_last_is_completed_and_resumed_exactly(
+        copy_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """``kill -9`` after the first save's checkpoint_1.pt (and checkpoint_best.pt) but before checkpoint_last.pt:
+    the same command stopped with "no checkpoint_last.pt to resume from", so a relaunched job never went on."""
+    run, config = tmp_path / "run", run_config(tmp_path, copy_data)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["train", str(config), "--save-dir", str(run)]) == 0
+        full = load_checkpoint(run / "checkpoint_last.pt")["model"]
+        shutil.rmtree(run)
+        assert main(["train", str(config), "--save-dir", str(run), "--set", "train.max_updates=1"]) == 0
+        (run / "checkpoint_last.pt").unlink()  # the state the kill leaves
+        (run / ".checkpoint_last.pt.x1.tmp").write_bytes(b"PK\x03")
+        other = one_line_error(["train", str(config), "--save-dir", str(run), "--set", "train.lr=0.5"], capsys)
+        assert "but no checkpoint_last.pt to resume from" in other  # other settings: not this run's save
+        assert not (run / "checkpoint_last.pt").exists()
+        with caplog.at_level("WARNING", logger="nmtflow"):
+            assert main(["train", str(config), "--save-dir", str(run)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert any("the first save, at update 1, was cut short before checkpoint_last.pt; completed it from "
+               "checkpoint_1.pt" in r.getMessage() for r in caplog.records)
+    resumed = load_checkpoint(run / "checkpoint_last.pt")
+    assert resumed["progress"]["update"] == 2
+    assert all(torch.equal(resumed["model"][k], full[k]) for k in full)  # the uninterrupted run's weights
+    assert [e["update"] for e in read_log(run) if e["kind"] == "start"] == [0, 1]
+
+
+def test_sigterm_during_set_up_exits_as_interrupted(copy_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Before the loop routes it, SIGTERM killed the process silently (status -15) where Ctrl-C said "interrupted"
+    and exited 130, as the guide says both do; the handler is put back after the command."""
+    import os
+    import signal
+
+    from nmtflow.train import trainer as trainer_module
+
+    def set_up(self: object, *args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # e.g. while the data or the checkpoint loads
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(trainer_module.Trainer, "__init__", set_up)
+    assert main(["train", str(run_config(tmp_path, copy_data)), "--save-dir", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted")
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_resume_cut_short_leaves_one_start_entry(tmp_path: Path) -> None:
+    """Each resume from the same checkpoint, killed before its next save, left one more identical start entry."""
+    log_file = tmp_path / "log.jsonl"
+    entries = [{"kind": "start", "update": 0}, {"kind": "train", "update": 1}, {"kind": "valid", "update": 1},
+               {"kind": "start", "update": 1}, {"kind": "train", "update": 2}]
+    log_file.write_text("".join(json.dumps(e) + "\n" for e in entries), encoding="utf-8")
+    trim_log(log_file, 1)
+    assert [json.loads(line) for line in log_file.read_text(encoding="utf-8").splitlines()] == entries[:3]
 
 
 def test_a_truncated_checkpoint_last_names_the_intact_checkpoint_to_resume_from(
