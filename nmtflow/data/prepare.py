@@ -89,7 +89,7 @@ def _init_worker(model_paths: list[str]) -> None:
 
 
 def _encode_columns(columns: list[list[str]]) -> list[list[list[int]]]:
-    return [tok.encode_batch(col) for tok, col in zip(_WORKER_TOKENIZERS, columns)]
+    return [tok.encode_batch(col, normalized=True) for tok, col in zip(_WORKER_TOKENIZERS, columns)]
 
 
 def _ordered_map(submit: Callable[[Any], Future], items: Iterator[Any], window: int) -> Iterator[Any]:
@@ -564,7 +564,7 @@ def _column_chunks(paths: list[Path], allow_empty: bool, chunk_size: int) -> Ite
 def _encoded_chunks(paths: list[Path], toks: list[Tokenizer], allow_empty: bool,
                     chunk_size: int) -> Iterator[list[list[list[int]]]]:
     """:func:`_column_chunks` encoded in this process, file i with ``toks[i]``."""
-    return ([tok.encode_batch(col) for tok, col in zip(toks, cols)]
+    return ([tok.encode_batch(col, normalized=True) for tok, col in zip(toks, cols)]
             for cols in _column_chunks(paths, allow_empty, chunk_size))
 
 

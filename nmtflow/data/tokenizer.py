@@ -254,15 +254,18 @@ class Tokenizer:
         except (TypeError, AttributeError, RuntimeError):  # SentencePiece's words for a str that is no UTF-8 text
             raise ValueError(f"text {unicode_problem(text) or 'is not a str'}") from None
 
-    def encode_batch(self, texts: list[str], where: Callable[[int], str] | None = None) -> list[list[int]]:
+    def encode_batch(self, texts: list[str], where: Callable[[int], str] | None = None, *,
+                     normalized: bool = False) -> list[list[int]]:
         """Encode many strings at once with SentencePiece's multithreaded C++ batch encoder; a text that is no
-        UTF-8 (a lone surrogate) is a ValueError naming it by ``where(index)`` (default: its 0-based index)."""
+        UTF-8 (a lone surrogate) is a ValueError naming it by ``where(index)`` (default: its 0-based index).
+        ``normalized``: the texts come from ``prepare``'s reader, already normalised (not normalised again)."""
         if not isinstance(texts, list):
             texts = list(texts)
         if not texts:
             return []
         try:
-            return self._sp.Encode([normalize_line(t) for t in texts], out_type=int, num_threads=self.num_threads)
+            return self._sp.Encode(texts if normalized else [normalize_line(t) for t in texts], out_type=int,
+                                   num_threads=self.num_threads)
         except (TypeError, AttributeError, RuntimeError):  # AttributeError: a text that is no str
             for n, text in enumerate(texts):
                 problem = unicode_problem(text) if isinstance(text, str) else f"is a {type(text).__name__}, not a str"

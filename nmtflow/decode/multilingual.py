@@ -13,10 +13,10 @@ from nmtflow.config import Config, DecodeConfig, config_from_dict
 from nmtflow.data.tokenizer import Tokenizer
 from nmtflow.data.vocab import lang_tag
 from nmtflow.decode.translate import Translator, tokenizer_from_bytes
-
-log = logging.getLogger(__name__)
 from nmtflow.models.base import build_model, position_limits
 from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -214,15 +214,8 @@ class Trainer:
         Training saves one dict to all of them, so resuming from such a copy replays the run exactly from update N
         (the log and TensorBoard events after N are dropped); it is the user's choice, never made silently.
         """
-        found: list[tuple[int, Path]] = []
-        for path in self.earlier_checkpoints():
-            try:
-                ckpt = load_checkpoint(path)
-            except CheckpointError:
-                continue
-            progress = ckpt.get("progress")
-            if all(key in ckpt for key in ("optimizer", "scheduler", "rng")) and isinstance(progress, dict):
-                found.append((int(progress.get("update", 0)), path))
+        found = [(int(ckpt["progress"].get("update", 0)), path) for path, ckpt in self.training_states().items()
+                 if ckpt is not None]
         if not found:
             return ""
         update, path = max(found, key=lambda item: item[0])
@@ -235,27 +228,34 @@ class Trainer:
         run, one update) saved by this config, and checkpoint_last.pt becomes one more copy, so a plain rerun
         resumes exactly. Anything else (checkpoints of several updates or runs, other settings, a damaged file)
         is left for the error that asks the user."""
-        earlier = self.earlier_checkpoints()
-        if not earlier:
+        states = self.training_states()
+        if not states or None in states.values():
             return
-        states = []
-        for path in earlier:
-            try:
-                ckpt = load_checkpoint(path)
-            except CheckpointError:
-                return
-            progress = ckpt.get("progress")
-            if not (all(key in ckpt for key in ("optimizer", "scheduler", "rng", "run_id"))
-                    and isinstance(progress, dict)):
-                return
-            states.append((str(ckpt["run_id"]), int(progress.get("update", -1)), ckpt.get("config") or {}))
-        run_id, update, saved = states[0]
-        if any(state[:2] != (run_id, update) for state in states) or changed_settings(saved, to_dict(self.config)):
+        first, ckpt = next(iter(states.items()))
+        same = {(c.get("run_id"), c["progress"].get("update")) for c in states.values()}
+        if len(same) != 1 or ckpt.get("run_id") is None or changed_settings(ckpt.get("config") or {},
+                                                                            to_dict(self.config)):
             return
-        data = earlier[0].read_bytes()
+        data = first.read_bytes()
         write_atomic(self.save_dir / "checkpoint_last.pt", lambda handle: handle.write(data), "the checkpoint")
         log.warning("%s: the first save, at update %d, was cut short before checkpoint_last.pt; completed it from "
-                    "%s, which holds the same training state", self.save_dir, update, earlier[0].name)
+                    "%s, which holds the same training state", self.save_dir, ckpt["progress"].get("update"),
+                    first.name)
+
+    def training_states(self) -> dict[Path, dict[str, Any] | None]:
+        """Each of :meth:`earlier_checkpoints` with its contents when it is intact and holds the whole training
+        state (model, optimiser, schedule, RNG, progress), else None."""
+        states: dict[Path, dict[str, Any] | None] = {}
+        for path in self.earlier_checkpoints():
+            try:
+                ckpt: dict[str, Any] | None = load_checkpoint(path)
+            except CheckpointError:
+                ckpt = None
+            if ckpt is not None and not (all(key in ckpt for key in ("optimizer", "scheduler", "rng"))
+                                         and isinstance(ckpt.get("progress"), dict)):
+                ckpt = None
+            states[path] = ckpt
+        return states
 
     def earlier_checkpoints(self) -> list[Path]:
         """The save dir's periodic checkpoints and checkpoint_best.pt (checkpoint_last.pt aside)."""
