@@ -9,8 +9,10 @@ from typing import Iterator
 import pytest
 import torch
 
+# the CI machine's 2 cores: 2 intra-op threads, or 1 in each of pytest-xdist's workers (``-n 2``)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if "OMP_NUM_THREADS" not in os.environ:
-    torch.set_num_threads(2)  # the CI machine's cores; deterministic speed for the tiny training tests
+    torch.set_num_threads(max(1, 2 // WORKERS))
 
 WORDS = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
          "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango"]
