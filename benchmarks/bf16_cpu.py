@@ -13,9 +13,11 @@ with PyTorch's dropout masks instead of nmtflow's (:mod:`nmtflow.nn.dropout`). T
 ``--loss-updates`` more updates on the same batches and their validation loss (in fp32, on the first
 ``--valid-sentences`` pairs) is compared (``--decode-only`` skips training). Last, a model translates the first
 ``--decode-sentences`` validation sentences with beam search, alternating batch by batch between the decoding
-systems: ``fp32``; ``bf16`` (``decode.precision: bf16``: a bf16 copy
-of the weights, the output layer in fp32, :mod:`nmtflow.decode.precision`); ``bf16_logits_in_bf16`` (the same copy
-with the output layer in bf16 too); ``bf16_autocast`` (fp32 weights under bf16 autocast). Reported: sentences/s,
+systems: ``fp32``; ``bf16`` (``decode.precision: bf16``: the matrix modules in bf16, the embeddings, residual
+sums, LayerNorms and output layer in fp32, :mod:`nmtflow.decode.precision`); ``bf16_whole_copy`` (the copy as
+nmtflow made it before: the whole model in bf16 but the output layer and, on the CPU, the LayerNorms' parameters,
+so the residual stream in bf16); ``bf16_logits_in_bf16`` (the whole model in bf16, the output layer too);
+``bf16_autocast`` (fp32 weights under bf16 autocast). Reported: sentences/s,
 the speed over fp32 in wall time and in this process's CPU time (less disturbed by other work on the machine) and
 the share of outputs identical to fp32's. The model is the fp32-trained one of the training part, or, with
 ``--decode-checkpoint``, a trained checkpoint (its sources: ``DATA/val.SRC`` through its own tokenizer); with it,
@@ -93,17 +95,31 @@ def valid_nll(model: EncoderDecoder, batches: list[Batch]) -> float:
     return total / tokens
 
 
+def whole_copy(model: EncoderDecoder) -> EncoderDecoder:
+    """The bf16 decoding copy as nmtflow made it before: the whole model in bf16 but its output layers' weights and,
+    on the CPU, its LayerNorms' parameters (float32, shared with ``model``)."""
+    cast = copy.deepcopy(model).to(torch.bfloat16).eval()
+    for mine, theirs in zip(cast.modules(), model.modules()):
+        kept = ["output_weight"] + (["weight", "bias"] if isinstance(theirs, torch.nn.LayerNorm) else [])
+        for name in kept:
+            param = getattr(theirs, name, None)
+            if isinstance(param, torch.nn.Parameter) and param.device.type == "cpu":
+                setattr(mine, name, param)
+    return cast
+
+
 def decoding_systems(model: EncoderDecoder) -> dict[str, tuple[EncoderDecoder, str]]:
     """name → (model, autocast precision) of each way to decode ``model`` (fp32 weights) compared here."""
     return {"fp32": (model, "fp32"), "bf16": (model_in_precision(model, "bf16"), "fp32"),
+            "bf16_whole_copy": (whole_copy(model), "fp32"),
             "bf16_logits_in_bf16": (copy.deepcopy(model).to(torch.bfloat16), "fp32"),
             "bf16_autocast": (model, "bf16")}
 
 
 def timed_decoding(model: EncoderDecoder, sources: list[list[int]], args: argparse.Namespace,
                    device: torch.device) -> dict[str, Any]:
-    """Beam search over ``sources`` with each of :func:`decoding_systems`, alternating batch by batch (after one
-    untimed batch each): sentences/s, speed over fp32 and the share of outputs identical to fp32's."""
+    """Beam search over ``sources`` with each of :func:`decoding_systems`, alternating batch by batch in rotating
+    order (after one untimed batch each): sentences/s, speed over fp32 and the share of outputs identical to fp32's."""
     systems = decoding_systems(model.eval())
     src_batches = [collate([sources[i] for i in r], [[]] * len(r)).src
                    for r in batches_by_length([len(s) for s in sources], args.decode_max_tokens)]
@@ -115,8 +131,10 @@ def timed_decoding(model: EncoderDecoder, sources: list[list[int]], args: argpar
         for name, (decoder, precision) in systems.items():  # warm-up
             with autocast(precision, device):
                 beam_search(decoder, src_batches[0][:8], **search)
-        for src in src_batches:
-            for name, (decoder, precision) in systems.items():
+        names = list(systems)
+        for i, src in enumerate(src_batches):  # the order rotates: who meets a batch's shapes first compiles
+            for name in names[i % len(names):] + names[:i % len(names)]:  # oneDNN's bf16 kernels for them
+                decoder, precision = systems[name]
                 start, cpu_start = time.perf_counter(), time.process_time()
                 with autocast(precision, device):
                     hyps = beam_search(decoder, src, **search)

@@ -1,22 +1,27 @@
-"""Decoding precision (``decode.precision``): the model's forward in fp32, or in a bf16 copy of its weights.
+"""Decoding precision (``decode.precision``): the model's forward in fp32, or with its matrix products in bf16.
 
 The bf16 copy is made once per model (and made again after its weights change) and kept beside the float32 model,
-which stays as it was. Everything but the output layer runs in bf16 (the attention too: without gradients
-:func:`nmtflow.nn.attention.sdpa` leaves it to PyTorch's bf16 kernel); the output layer's weight stays float32
-(:func:`nmtflow.nn.layers.output_logits`), so the logits, the log-softmax over the vocabulary, the beam scores and
-the length normalisation are float32, as in fp32 decoding. On the CPU the LayerNorms' gains and biases stay float32
-too (PyTorch's CPU LayerNorm takes a bf16 input with float32 parameters and returns bf16): at no measurable cost,
-one more point of outputs identical to fp32's (96.4% → 97.3% of Multi30k val lines, `benchmarks/README.md`).
-A copy rather than autocast: autocast casts every weight again at every decoding step, which costs more than bf16
-saves at decoding's small batches.
+which stays as it was. Its matrix modules (``nn.Linear``, ``nn.Conv1d``, ``nn.LSTM``: the projections, feed-forward
+layers, convolutions and LSTMs) hold bf16 weights and cast their inputs to bf16, so their outputs (attention's
+queries, keys and values among them) are bf16 and attention runs in PyTorch's bf16 kernel (without gradients
+:func:`nmtflow.nn.attention.sdpa` leaves it to it). Everything else keeps float32 and shares the model's own
+parameters: the embeddings, the residual sums (a bf16 sub-layer output added to a float32 stream is float32),
+the LayerNorms and the output layer (:func:`nmtflow.nn.layers.output_logits`), so the logits, the log-softmax over
+the vocabulary, the beam scores and the length normalisation are float32, as in fp32 decoding. Code that uses a
+matrix module's weight directly casts its input to that weight's dtype (:func:`nmtflow.nn.layers.in_dtype_of`).
+Against a copy of the whole model in bf16 (the residual stream in bf16, LayerNorms reading bf16), this gave more
+outputs identical to fp32's at the same speed within 2% (`benchmarks/README.md`). A copy rather than autocast: autocast casts
+every weight again at every decoding step, which costs more than bf16 saves at decoding's small batches.
 """
 from __future__ import annotations
 
 import copy
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 
 from nmtflow.models.base import EncoderDecoder
 from nmtflow.runtime import warn_if_bf16_emulated
@@ -31,20 +36,43 @@ def _weights_version(model: nn.Module) -> tuple[tuple[int, int], ...]:
     return tuple((id(p), p._version) for p in model.parameters())
 
 
+MATRIX_MODULES = (nn.Linear, nn.Conv1d, nn.LSTM)  # the modules whose weights the copy holds in its dtype
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` with its floating tensors (in tuples, lists, dicts and packed sequences too) cast to ``dtype``."""
+    if isinstance(value, PackedSequence):
+        return value.to(dtype)
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {key: _cast_floats(v, dtype) for key, v in value.items()}
+    return value
+
+
 def cast_copy(model: EncoderDecoder, dtype: torch.dtype) -> EncoderDecoder:
-    """A copy of ``model`` in ``dtype`` for inference, its output layers' weights (``output_weight``, untied from
-    the embeddings) and, on the CPU, its LayerNorms' parameters left in float32 and shared with ``model``."""
+    """A copy of ``model`` for inference whose matrix products run in ``dtype``: its ``MATRIX_MODULES`` hold their
+    weights in ``dtype`` and cast what they are given to it; everything else (embeddings, residual sums,
+    LayerNorms, the output layer) keeps float32 and shares ``model``'s parameters. What the copy's ``encode``
+    returns is cast to ``dtype`` too: the decoder reads it through its matrix modules (which would cast it at every
+    step), and beam search reorders it as sentences finish (a float32 copy doubled that time)."""
     # requires_grad stays as it is: with weights that require none, PyTorch's matmul of a strided 3-D input runs as a
     # bmm over a copy of the weight per row (the RNN decoder's attention: ×2.5 the decoding time)
-    cast = copy.deepcopy(model).to(dtype).eval()
+    cast = copy.deepcopy(model).eval()
+    in_dtype: set[int] = set()  # the matrix modules and their submodules (weight-norm parametrizations)
     for (_, mine), (_, theirs) in zip(cast.named_modules(), model.named_modules()):
-        kept = ["output_weight"]
-        if isinstance(theirs, nn.LayerNorm) and theirs.weight is not None and theirs.weight.device.type == "cpu":
-            kept += ["weight", "bias"]  # a bf16 input, float32 parameters: PyTorch's mixed-type CPU LayerNorm
-        for name in kept:
-            param = getattr(theirs, name, None)
-            if isinstance(param, nn.Parameter) and param.dtype == torch.float32:
-                setattr(mine, name, nn.Parameter(param.detach(), requires_grad=param.requires_grad))
+        if isinstance(mine, MATRIX_MODULES):
+            mine.to(dtype)
+            mine.register_forward_pre_hook(lambda module, args: _cast_floats(args, dtype))
+            in_dtype.update(id(m) for m in mine.modules())
+        if id(mine) in in_dtype:
+            continue
+        for name, param in theirs.named_parameters(recurse=False):
+            setattr(mine, name, param)
+    encode = cast.encode
+    cast.encode = lambda *args, **kwargs: _cast_floats(encode(*args, **kwargs), dtype)  # type: ignore[method-assign]
     return cast
 
 

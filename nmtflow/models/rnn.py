@@ -36,7 +36,7 @@ from nmtflow.config import ConfigError
 from nmtflow.data.vocab import PAD
 from nmtflow.models.base import EncoderDecoder, EncoderOut, ModelConfig, State, Vocabularies
 from nmtflow.nn.dropout import dropout
-from nmtflow.nn.layers import masked_softmax, output_logits, token_embedding
+from nmtflow.nn.layers import in_dtype_of, masked_softmax, output_logits, token_embedding
 from nmtflow.registry import register_model
 
 
@@ -142,6 +142,7 @@ class BiLSTMEncoder(nn.Module):
         """
         lstm, d = self.lstm, self.lstm.hidden_size
         dtype = autocast_dtype(x)
+        x = in_dtype_of(x, lstm.weight_ih_l0)  # the bf16 decoding copy: bf16 LSTM weights, float32 embeddings
         positions = torch.arange(x.size(1), device=x.device)[None]  # (1,S)
         reversed_at = lengths[:, None] - 1 - positions
         order = torch.where(reversed_at >= 0, reversed_at, positions)[:, :, None]  # (B,S,1)
@@ -334,6 +335,7 @@ class LuongDecoder(nn.Module):
         """
         dtype = autocast_dtype(x)
         w_x, b_0, recurrent, biases = self.step_weights(dtype)
+        x = in_dtype_of(x, w_x)  # the bf16 decoding copy: bf16 LSTM weights, float32 embeddings
         # every step's W_x y_{t-1} + b at once; unbound, not indexed per step, whose backward would write a zero
         # (B,T,4d_h) tensor per step
         x_gates = F.linear(x, w_x, b_0).unbind(1)  # T × (B,4d_h)

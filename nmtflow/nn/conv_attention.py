@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nmtflow.nn.conv import State, linear
-from nmtflow.nn.layers import masked_softmax
+from nmtflow.nn.layers import in_dtype_of, masked_softmax
 
 SQRT_HALF = math.sqrt(0.5)
 
@@ -43,10 +43,10 @@ class MultiStepAttention(nn.Module):
         """z (B,T,w), g (B,T,d0) → (B,T,w)."""
         pad = enc["padding_mask"]  # (B,S)
         d = (self.in_proj(z) + g) * SQRT_HALF  # (B,T,d0)
-        scores = d @ enc["out"].transpose(1, 2)  # (B,T,S)
+        scores = d @ in_dtype_of(enc["out"], d).transpose(1, 2)  # (B,T,S)
         weights = masked_softmax(scores, pad.unsqueeze(1))
         lengths = (~pad).sum(1).clamp(min=1).to(z.dtype)  # (B,)
-        c = (weights @ enc["values"]) * lengths.sqrt()[:, None, None]  # (B,T,d0)
+        c = (weights @ in_dtype_of(enc["values"], weights)) * lengths.sqrt()[:, None, None]  # (B,T,d0)
         return self.out_proj(c)
 
 
@@ -80,9 +80,9 @@ class DenseAttention(nn.Module):
         sources, weight = enc["sources"], self.src_proj.weight  # (B,S,Σw), (dim,Σw)
         if self.per_layer:
             blocks = zip(sources.split(self.source_widths, -1), weight.split(self.source_widths, 1))
-            k = torch.stack([F.linear(h_i, w_i) for h_i, w_i in blocks], dim=1)  # (B,n,S,dim)
+            k = torch.stack([F.linear(in_dtype_of(h_i, w_i), w_i) for h_i, w_i in blocks], dim=1)  # (B,n,S,dim)
         else:
-            k = F.linear(sources, weight).unsqueeze(1)  # (B,1,S,dim)
+            k = F.linear(in_dtype_of(sources, weight), weight).unsqueeze(1)  # (B,1,S,dim)
         v = k + self.emb_proj(enc["embeddings"]).unsqueeze(1)
         return k, v
 

@@ -70,10 +70,17 @@ def token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
     return emb
 
 
+def in_dtype_of(x: Tensor, other: Tensor) -> Tensor:
+    """``x`` in ``other``'s dtype where the two differ outside autocast: in the bf16 decoding copy
+    (:func:`nmtflow.decode.precision.cast_copy`) the matrix modules hold bf16 weights while the activations between
+    them stay float32. Under autocast ``x`` is returned as it is (autocast casts both operands itself)."""
+    if x.dtype == other.dtype or torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(other.dtype)
+
+
 def output_logits(x: Tensor, weight: Tensor) -> Tensor:
     """The output layer's logits x·Wᵀ (…,V) for x (…,D) and W (V,D). A bf16 ``x`` meets a float32 ``W`` in the bf16
-    decoding copy (:func:`nmtflow.decode.precision.model_in_precision`): x is cast up, so that the logits keep
-    float32's resolution for the log-softmax and the beam scores. Under autocast ``F.linear`` casts as usual."""
-    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-        x = x.to(weight.dtype)
-    return F.linear(x, weight)
+    decoding copy: x is cast up (:func:`in_dtype_of`), so that the logits keep float32's resolution for the
+    log-softmax and the beam scores. Under autocast ``F.linear`` casts as usual."""
+    return F.linear(in_dtype_of(x, weight), weight)

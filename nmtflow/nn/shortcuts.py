@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from nmtflow.config import ConfigError
 from nmtflow.nn.attention import AttentionConfig, AttentionContext, MultiHeadAttention, split_heads
+from nmtflow.nn.layers import in_dtype_of
 from nmtflow.registry import register_attention
 
 SOURCES = ("lexical", "nonlexical")
@@ -174,7 +175,7 @@ class ShortcutAttention(MultiHeadAttention):
         key = f"shortcut:{self.stack[0].name}"
         if key not in ctx.shared:
             w = torch.cat([m.kv_shortcut.weight for m in self.stack])  # (2LD,D)
-            ctx.shared[key] = StackedLinear.apply(e.reshape(b * s, d), w, len(self.stack))
+            ctx.shared[key] = StackedLinear.apply(in_dtype_of(e.reshape(b * s, d), w), w, len(self.stack))
         return ctx.shared[key][self.stack.index(self)]
 
     def shortcut_input(self, source: Tensor, ctx: AttentionContext) -> Tensor:

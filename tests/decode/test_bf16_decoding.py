@@ -18,16 +18,32 @@ from nmtflow.decode.search import beam_search, sequence_logprobs
 from tests.conftest import padded_batch
 from tests.decode.test_cli_decoding import ckpt, run  # noqa: F401 (a fixture)
 from tests.decode.test_decode_review import translator
-from tests.decode.test_ensemble import V, member
+from tests.decode.test_ensemble import MEMBERS, V, member
+from nmtflow.models.base import Vocabularies, build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# architectures that use a matrix module's weight directly (lexical shortcuts' stacked projection, DenseNMT's
+# per-layer keys), beside the ensemble members
+MORE = {"shortcuts": {"name": "transformer", "d_model": 32, "ffn_dim": 64, "heads": 4, "encoder_layers": 2,
+                      "decoder_layers": 2, "encoder_self_attention": {"type": "shortcut"},
+                      "decoder_self_attention": {"type": "shortcut"}, "cross_attention": {"type": "shortcut"}},
+        "densenmt": {"name": "densenmt", "embed_dim": 16, "hidden": 16, "layer_groups": [[2, 16, 3]]}}
 
-@pytest.mark.parametrize("name", ["transformer", "feature-fusion", "phrasal", "convs2s", "rnn", "ensemble"])
+
+def tiny(name: str, seed: int) -> torch.nn.Module:
+    if name in MEMBERS:
+        return member(name, seed)
+    torch.manual_seed(seed)
+    return build_model(load_config(data={"model": MORE[name]}).model, Vocabularies(V, V)).eval()
+
+
+@pytest.mark.parametrize("name", ["transformer", "feature-fusion", "phrasal", "convs2s", "rnn", "ensemble",
+                                  "shortcuts", "densenmt"])
 def test_bf16_search_finds_what_fp32_scores_as_well(name: str) -> None:
     """The bf16 copy's beam search runs for every architecture; each of its outputs scores, under the fp32 model,
     what the copy says (within bf16's rounding) and as well as fp32's own best (within 2%)."""
-    model = Ensemble([member("transformer", 1), member("rnn", 2)]).eval() if name == "ensemble" else member(name, 3)
+    model = Ensemble([member("transformer", 1), member("rnn", 2)]).eval() if name == "ensemble" else tiny(name, 3)
     src, _ = padded_batch(V)
     fp32 = beam_search(model, src, beam_size=3, max_len_b=6)
     bf16 = beam_search(model_in_precision(model, "bf16"), src, beam_size=3, max_len_b=6)
@@ -39,24 +55,25 @@ def test_bf16_search_finds_what_fp32_scores_as_well(name: str) -> None:
         assert mine[0].score >= reference[0].score * 1.02 - 0.05  # scores are negative
 
 
-def test_the_copy_is_bf16_but_its_output_layer_and_the_model_stay_float32() -> None:
+def test_the_copy_multiplies_in_bf16_and_keeps_the_rest_and_the_model_float32() -> None:
     model = member("transformer", 3)
     tied = model.decoder.output_weight is model.decoder.embedder.embedding.weight
     cast = cast_copy(model, torch.bfloat16)
-    assert cast.decoder.output_weight.dtype == torch.float32
-    assert cast.decoder.output_weight.data_ptr() == model.decoder.output_weight.data_ptr()  # shared, not copied
     assert cast.encoder.layers[0].ffn.fc1.weight.dtype == torch.bfloat16
-    assert cast.decoder.embedder.embedding.weight.dtype == torch.bfloat16
+    assert cast.decoder.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     norm, reference_norm = cast.encoder.layers[0].attn_res.norm, model.encoder.layers[0].attn_res.norm
-    assert norm.weight.dtype == norm.bias.dtype == torch.float32  # the CPU's mixed-type LayerNorm
-    assert norm.weight.data_ptr() == reference_norm.weight.data_ptr()
-    with torch.no_grad():
-        assert norm(torch.randn(2, 3, norm.normalized_shape[0], dtype=torch.bfloat16)).dtype == torch.bfloat16
+    for mine, theirs in [(cast.decoder.output_weight, model.decoder.output_weight), (norm.weight, reference_norm.weight),
+                         (cast.decoder.embedder.embedding.weight, model.decoder.embedder.embedding.weight)]:
+        assert mine.dtype == torch.float32 and mine.data_ptr() == theirs.data_ptr()  # shared, not copied
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert tied == (model.decoder.output_weight is model.decoder.embedder.embedding.weight)
+    seen: dict[str, torch.dtype] = {}  # what the layers pass on: a float32 residual stream, bf16 sub-layer outputs
+    cast.encoder.layers[0].register_forward_hook(lambda m, args, out: seen.update(layer=out[0].dtype))
+    cast.encoder.layers[0].ffn.register_forward_hook(lambda m, args, out: seen.update(ffn=out.dtype))
     src, tgt = padded_batch(V)
     with torch.no_grad():
         logits, reference = cast(src, tgt), model(src, tgt)
+    assert seen == {"layer": torch.float32, "ffn": torch.bfloat16}
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits.log_softmax(-1), reference.log_softmax(-1), atol=0.1, rtol=0.05)
 
