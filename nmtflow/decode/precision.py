@@ -6,12 +6,14 @@ layers, convolutions and LSTMs) hold bf16 weights and cast their inputs to bf16,
 queries, keys and values among them) are bf16 and attention runs in PyTorch's bf16 kernel (without gradients
 :func:`nmtflow.nn.attention.sdpa` leaves it to it). Everything else keeps float32 and shares the model's own
 parameters: the embeddings, the residual sums (a bf16 sub-layer output added to a float32 stream is float32),
-the LayerNorms and the output layer (:func:`nmtflow.nn.layers.output_logits`), so the logits, the log-softmax over
-the vocabulary, the beam scores and the length normalisation are float32, as in fp32 decoding. Code that uses a
-matrix module's weight directly casts its input to that weight's dtype (:func:`nmtflow.nn.layers.in_dtype_of`).
-Against a copy of the whole model in bf16 (the residual stream in bf16, LayerNorms reading bf16), this gave more
-outputs identical to fp32's at the same speed within 2% (`benchmarks/README.md`). A copy rather than autocast: autocast casts
-every weight again at every decoding step, which costs more than bf16 saves at decoding's small batches.
+the LayerNorms and the output layer's ``output_weight`` (:func:`nmtflow.nn.layers.output_logits`; the Transformer
+and LSTM models), so their logits, the log-softmax over the vocabulary, the beam scores and the length
+normalisation are float32, as in fp32 decoding (ConvS2S and DenseNMT end in an ``nn.Linear``: bf16 logits, the
+log-softmax float32). Code that uses a matrix module's weight directly, or multiplies a matrix module's output
+with the float32 stream, casts to the matrix side's dtype (:func:`nmtflow.nn.layers.in_dtype_of`). Against a copy
+of the whole model in bf16 (the residual stream in bf16, LayerNorms reading bf16), this gave more outputs identical
+to fp32's at the same speed within 2% (`benchmarks/README.md`). A copy rather than autocast: autocast casts every
+weight again at every decoding step, which costs more than bf16 saves at decoding's small batches.
 """
 from __future__ import annotations
 
@@ -52,10 +54,31 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
+class _CastInputs:
+    """A forward pre-hook casting a module's floating inputs to ``dtype`` (a class, not a closure: picklable)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return _cast_floats(args, self.dtype)
+
+
+class _EncodeIn:
+    """The copy's ``encode``: its class's own, the output cast to ``dtype`` (an attribute of the copy that pickling
+    and ``copy.deepcopy`` carry along with it)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _cast_floats(type(self.model).encode(self.model, *args, **kwargs), self.dtype)
+
+
 def cast_copy(model: EncoderDecoder, dtype: torch.dtype) -> EncoderDecoder:
     """A copy of ``model`` for inference whose matrix products run in ``dtype``: its ``MATRIX_MODULES`` hold their
     weights in ``dtype`` and cast what they are given to it; everything else (embeddings, residual sums,
-    LayerNorms, the output layer) keeps float32 and shares ``model``'s parameters. What the copy's ``encode``
+    LayerNorms, ``output_weight``) keeps float32 and shares ``model``'s parameters. What the copy's ``encode``
     returns is cast to ``dtype`` too: the decoder reads it through its matrix modules (which would cast it at every
     step), and beam search reorders it as sentences finish (a float32 copy doubled that time)."""
     # requires_grad stays as it is: with weights that require none, PyTorch's matmul of a strided 3-D input runs as a
@@ -65,14 +88,13 @@ def cast_copy(model: EncoderDecoder, dtype: torch.dtype) -> EncoderDecoder:
     for (_, mine), (_, theirs) in zip(cast.named_modules(), model.named_modules()):
         if isinstance(mine, MATRIX_MODULES):
             mine.to(dtype)
-            mine.register_forward_pre_hook(lambda module, args: _cast_floats(args, dtype))
+            mine.register_forward_pre_hook(_CastInputs(dtype))
             in_dtype.update(id(m) for m in mine.modules())
         if id(mine) in in_dtype:
             continue
         for name, param in theirs.named_parameters(recurse=False):
             setattr(mine, name, param)
-    encode = cast.encode
-    cast.encode = lambda *args, **kwargs: _cast_floats(encode(*args, **kwargs), dtype)  # type: ignore[method-assign]
+    cast.encode = _EncodeIn(cast, dtype)  # type: ignore[method-assign]
     return cast
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nmtflow.nn.layers import masked_softmax
+from nmtflow.nn.layers import in_dtype_of, masked_softmax
 
 
 class AttentionBridge(nn.Module):
@@ -44,7 +44,7 @@ class AttentionBridge(nn.Module):
         # an all-padding row gets A = 0 and M = 0, not NaN
         attention = scores.softmax(1) if padding_mask is None else masked_softmax(scores, padding_mask[:, :, None], 1)
         attention = attention.transpose(1, 2)  # (B,k,S): softmax over positions
-        return attention @ h, attention  # M = A H: (B,k,d_h)
+        return attention @ in_dtype_of(h, attention), attention  # M = A H: (B,k,d_h)
 
 
 def bridge_penalty(attention: Tensor, squared: bool = True) -> Tensor:

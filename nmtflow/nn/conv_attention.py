@@ -43,10 +43,10 @@ class MultiStepAttention(nn.Module):
         """z (B,T,w), g (B,T,d0) → (B,T,w)."""
         pad = enc["padding_mask"]  # (B,S)
         d = (self.in_proj(z) + g) * SQRT_HALF  # (B,T,d0)
-        scores = d @ in_dtype_of(enc["out"], d).transpose(1, 2)  # (B,T,S)
+        scores = in_dtype_of(d, enc["out"]) @ enc["out"].transpose(1, 2)  # (B,T,S)
         weights = masked_softmax(scores, pad.unsqueeze(1))
         lengths = (~pad).sum(1).clamp(min=1).to(z.dtype)  # (B,)
-        c = (weights @ in_dtype_of(enc["values"], weights)) * lengths.sqrt()[:, None, None]  # (B,T,d0)
+        c = (in_dtype_of(weights, enc["values"]) @ enc["values"]) * lengths.sqrt()[:, None, None]  # (B,T,d0)
         return self.out_proj(c)
 
 

@@ -72,8 +72,9 @@ def token_embedding(vocab_size: int, d_model: int) -> nn.Embedding:
 
 def in_dtype_of(x: Tensor, other: Tensor) -> Tensor:
     """``x`` in ``other``'s dtype where the two differ outside autocast: in the bf16 decoding copy
-    (:func:`nmtflow.decode.precision.cast_copy`) the matrix modules hold bf16 weights while the activations between
-    them stay float32. Under autocast ``x`` is returned as it is (autocast casts both operands itself)."""
+    (:func:`nmtflow.decode.precision.cast_copy`) the matrix modules hold bf16 weights and give bf16 outputs while the
+    activations between them stay float32; a product of the two kinds casts to the matrix side's dtype. Under
+    autocast ``x`` is returned as it is (autocast casts both operands itself)."""
     if x.dtype == other.dtype or torch.is_autocast_enabled(x.device.type):
         return x
     return x.to(other.dtype)

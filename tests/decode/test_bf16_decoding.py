@@ -2,10 +2,13 @@
 state and an ensemble; the copy's cache; the setting through the config, ``nmtflow translate`` and ``nmtflow.load``."""
 from __future__ import annotations
 
+import copy
 import logging
+import pickle
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nmtflow
 from nmtflow import runtime
@@ -20,6 +23,7 @@ from tests.decode.test_cli_decoding import ckpt, run  # noqa: F401 (a fixture)
 from tests.decode.test_decode_review import translator
 from tests.decode.test_ensemble import MEMBERS, V, member
 from nmtflow.models.base import Vocabularies, build_model
+from tests.models.test_multilingual import MODELS as MULTILINGUAL, MODEL_IDS as MULTILINGUAL_IDS, batch, make
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,6 +57,70 @@ def test_bf16_search_finds_what_fp32_scores_as_well(name: str) -> None:
                                            torch.tensor([tokens + [EOS]])))
         assert mine[0].logprob == pytest.approx(rescored, rel=0.02, abs=0.05)
         assert mine[0].score >= reference[0].score * 1.02 - 0.05  # scores are negative
+
+
+PRODUCTS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "convolution", "conv1d"}
+
+
+class FloatProducts(TorchDispatchMode):
+    """Records the matrix products (and attention kernels) that read a float32 tensor, but the output layer's
+    (a (V, d) or (d, V) operand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if name in PRODUCTS or "scaled_dot_product" in name:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if any(t.dtype == torch.float32 for t in tensors) and not any(V in t.shape for t in tensors):
+                self.seen.append(f"{name}{[tuple(t.shape) for t in tensors]}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["transformer", "feature-fusion", "phrasal", "convs2s", "rnn", "shortcuts", "densenmt"])
+def test_every_product_of_the_copy_but_the_output_layer_is_bf16(name: str) -> None:
+    """No attention or projection of the copy falls back to float32 (e.g. a bf16 matrix output multiplied with the
+    float32 stream cast up, not down)."""
+    model = tiny(name, 3)
+    src, _ = padded_batch(V)
+    cast = model_in_precision(model, "bf16")
+    with FloatProducts() as products:
+        beam_search(cast, src, beam_size=2, max_len_b=3)
+    assert products.seen == []
+
+
+@pytest.mark.parametrize("model", MULTILINGUAL, ids=MULTILINGUAL_IDS)
+def test_bf16_copy_of_every_multilingual_variant(model: dict) -> None:
+    """The bridge over a Transformer encoder (its attention meets a float32 LayerNorm output), the language-label
+    model, every stack: the copy's logits are float32 and within bf16's rounding of fp32's, and it searches."""
+    net = make(model).pair("de", "de")
+    src, tgt = batch()
+    cast = model_in_precision(net, "bf16")
+    with torch.no_grad():
+        logits, reference = cast(src, tgt), net(src, tgt)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.log_softmax(-1), reference.log_softmax(-1), atol=0.1, rtol=0.05)
+    assert len(beam_search(cast, src, beam_size=2, max_len_b=3)) == src.size(0)
+
+
+def test_the_copy_pickles_and_deep_copies_as_itself() -> None:
+    """The copy's hooks and its ``encode`` travel with it: a pickled or deep-copied copy computes what it does, and
+    a deep copy's own weights are the ones it uses."""
+    model = member("transformer", 3)
+    src, tgt = padded_batch(V)
+    cast = model_in_precision(model, "bf16")
+    with torch.no_grad():
+        expected = cast(src, tgt)
+        for other in (pickle.loads(pickle.dumps(cast)), copy.deepcopy(cast)):
+            torch.testing.assert_close(other(src, tgt), expected, atol=0, rtol=0)
+            assert other.encode(src)["out"].dtype == torch.bfloat16
+        twin = copy.deepcopy(cast)
+        for p in twin.encoder.parameters():
+            if p.dtype == torch.bfloat16:
+                p.zero_()
+        assert not torch.equal(twin(src, tgt), expected)
 
 
 def test_the_copy_multiplies_in_bf16_and_keeps_the_rest_and_the_model_float32() -> None:

@@ -42,7 +42,7 @@ def batch(tgt_vocab: int = V - 5) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- models ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model", [
+MODELS: list[dict[str, Any]] = [
     {**TINY_BRIDGE, "input_feeding": True, "encoder_layers": 2, "decoder_layers": 2},
     {**TINY_BRIDGE, "input_feeding": True, "decoder_layers": 2, "decoder_init": "mean",
      "encoder_output_dropout": False},
@@ -56,8 +56,12 @@ def batch(tgt_vocab: int = V - 5) -> tuple[torch.Tensor, torch.Tensor]:
      "encoder_self_attention": {"type": "phrasal", "ngrams": [1, 2]},
      "decoder_self_attention": {"type": "phrasal", "ngrams": [1, 2, 3]}},
     {"name": "language_label", "backbone": {"name": "rnn", **TINY, "decoder_layers": 2}},
-], ids=["bridge-rnn-feed", "bridge-rnn-feed-paper-code", "bridge-rnn", "bridge-transformer", "bridge-rnn-transformer", "bridge-shortcuts",
-        "bridge-phrasal", "language-label-rnn"])
+]
+MODEL_IDS = ["bridge-rnn-feed", "bridge-rnn-feed-paper-code", "bridge-rnn", "bridge-transformer", "bridge-rnn-transformer",
+             "bridge-shortcuts", "bridge-phrasal", "language-label-rnn"]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
 def test_incremental_decoding_equals_full_forward(model: dict[str, Any]) -> None:
     net = make(model).pair("de", "de")
     src, tgt = batch()
