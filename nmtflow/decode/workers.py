@@ -22,6 +22,7 @@ process's (``tests/decode/test_workers.py``).
 """
 from __future__ import annotations
 
+import copy
 import pickle
 import signal
 import threading
@@ -32,12 +33,28 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.multiprocessing
+from torch.nn.utils import parametrize
 
 from nmtflow.config import DecodeConfig
 
 SearchBatch = Callable[..., list[Any]]  # (model, decode, sources, prefixes, src_prefix, device) → n-best lists
 _worker: tuple[torch.nn.Module, SearchBatch] | None = None  # in a worker: its model and search function
 _POOLS: weakref.WeakKeyDictionary[torch.nn.Module, DecodePool] = weakref.WeakKeyDictionary()  # in the parent
+
+
+def picklable(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``, or, where it has parametrized weights (ConvS2S's weight normalisation, which PyTorch does not
+    pickle), a copy with each such weight computed once and stored as a plain parameter: the same values for
+    inference, and no recomputation in the worker."""
+    if not any(parametrize.is_parametrized(m) for m in model.modules()):
+        return model
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            for name in list(module.parametrizations):
+                parametrize.remove_parametrizations(module, name, leave_parametrized=True)
+            module._load_state_dict_pre_hooks.clear()  # weight_norm's hook for old checkpoints: a local function
+    return model
 
 
 def _start(model: bytes, search: SearchBatch, threads: int) -> None:
@@ -87,7 +104,7 @@ class DecodePool:
         self.workers, self.threads, self.version = workers, threads, weights_version(model)
         context = torch.multiprocessing.get_context("spawn")
         self._executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
-                                             initargs=(pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL),
+                                             initargs=(pickle.dumps(picklable(model), protocol=pickle.HIGHEST_PROTOCOL),
                                                        search, threads))
         # the processes stop with the pool, or at exit if it is still open then
         self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=True, cancel_futures=True)

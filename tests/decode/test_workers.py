@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.nn.utils import parametrize
 
 from nmtflow.cli import main
 from nmtflow.config import ConfigError, DecodeConfig, load_config
@@ -20,6 +21,7 @@ from nmtflow.decode.translate import Translator, check_search
 
 from tests.decode.test_cli_decoding import ckpt, run  # noqa: F401 (a fixture)
 from tests.decode.test_decode_review import translator
+from tests.decode.test_ensemble import member
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # one thread here, so each worker has one too: the same sums
 
@@ -166,3 +168,20 @@ def test_translate_with_workers_writes_what_one_process_writes(ckpt: str, tmp_pa
     assert "--workers (decode.workers): 2 worker processes do not sample" in capsys.readouterr().err
     assert main(["score", ckpt, "--src", str(src), "--tgt", str(src), "--workers", "2", "--device", "cpu"]) != 0
     assert "--workers: score computes log P(translation | source)" in capsys.readouterr().err
+
+
+def test_a_weight_normalised_model_decodes_in_workers() -> None:
+    """ConvS2S's weight-normalised layers (parametrized weights, which PyTorch does not pickle) reach the workers
+    with their weights computed: the same hypotheses and scores as in this process."""
+    model = member("convs2s", 3)
+    assert any(parametrize.is_parametrized(m) for m in model.modules())
+    one = Translator(model, None, None, DecodeConfig(beam_size=2, max_tokens=12, max_len_b=4))  # type: ignore[arg-type]
+    two = Translator(model, None, None, dataclasses.replace(one.decode, workers=2))  # type: ignore[arg-type]
+    src = sources(8)
+    try:
+        expected, got = one.translate_ids(src), two.translate_ids(src)
+    finally:
+        two.close()
+    assert [[h.tokens for h in n] for n in got] == [[h.tokens for h in n] for n in expected]
+    assert [h.score for n in got for h in n] == pytest.approx([h.score for n in expected for h in n], rel=1e-6)
+    assert any(parametrize.is_parametrized(m) for m in model.modules())  # the model itself is left as it was
