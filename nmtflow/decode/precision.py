@@ -83,17 +83,14 @@ def cast_copy(model: EncoderDecoder, dtype: torch.dtype) -> EncoderDecoder:
     step), and beam search reorders it as sentences finish (a float32 copy doubled that time)."""
     # requires_grad stays as it is: with weights that require none, PyTorch's matmul of a strided 3-D input runs as a
     # bmm over a copy of the weight per row (the RNN decoder's attention: ×2.5 the decoding time)
-    cast = copy.deepcopy(model).eval()
-    in_dtype: set[int] = set()  # the matrix modules and their submodules (weight-norm parametrizations)
-    for (_, mine), (_, theirs) in zip(cast.named_modules(), model.named_modules()):
-        if isinstance(mine, MATRIX_MODULES):
-            mine.to(dtype)
-            mine.register_forward_pre_hook(_CastInputs(dtype))
-            in_dtype.update(id(m) for m in mine.modules())
-        if id(mine) in in_dtype:
-            continue
-        for name, param in theirs.named_parameters(recurse=False):
-            setattr(mine, name, param)
+    matrices = [m for m in model.modules() if isinstance(m, MATRIX_MODULES)]
+    in_matrices = {id(p) for m in matrices for p in m.parameters()}  # weight-norm parametrizations' included
+    shared = {id(p): p for p in model.parameters() if id(p) not in in_matrices}  # deepcopy's memo: kept, not copied
+    cast = copy.deepcopy(model, shared).eval()
+    for module in cast.modules():
+        if isinstance(module, MATRIX_MODULES):
+            module.to(dtype)
+            module.register_forward_pre_hook(_CastInputs(dtype))
     cast.encode = _EncodeIn(cast, dtype)  # type: ignore[method-assign]
     return cast
 
