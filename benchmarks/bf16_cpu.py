@@ -23,7 +23,8 @@ the share of outputs identical to fp32's. The model is the fp32-trained one of t
 ``--decode-checkpoint``, a trained checkpoint (its sources: ``DATA/val.SRC`` through its own tokenizer); with it,
 ``--decode-workers N`` also times ``Translator.translate_ids`` in fp32 and bf16 in this process and in N worker
 processes (``decode.workers``), whole-set rounds alternating. The machine's load average is recorded before and
-after (the timings need an idle CPU).
+after (the timings need an idle CPU), and first one thread's fp32 and bf16 rates on a (2048 × 1024)·(1024 × 1024)
+product, the most bf16 can gain where matrix products bound a step (``--matmul-only`` records only those).
 
 On a CPU without native bf16 (neither AMX nor AVX-512 BF16) bf16 is emulated and many times slower: the script
 then records the machine and skips, unless ``--force``.
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--decode-rounds", type=int, default=3, help="rounds of --decode-workers' timing")
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--force", action="store_true", help="run even where the CPU has no native bf16")
+    p.add_argument("--matmul-only", action="store_true",
+                   help="only record one thread's fp32 and bf16 matrix-product rates (the CPU's ceiling for bf16)")
     p.add_argument("--compile", action="store_true",
                    help="also time fp32 and bf16 with train.compile (each layer and the loss under torch.compile)")
     add_common_args(p, warmup=3, steps=24, rounds=4)
@@ -192,6 +195,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["skipped"] = "this CPU has no native bf16 (AMX or AVX-512 BF16): bf16 is emulated here"
         write_json(args.out, result)
         print(result["skipped"])
+        return result
+    result["matmul_gflops_1thread"] = matmul_rates()
+    torch.set_num_threads(args.threads)
+    print("one thread, 2048×1024·1024×1024:", result["matmul_gflops_1thread"])
+    if args.matmul_only:
+        result["load_average_after"] = os.getloadavg()
+        write_json(args.out, result)
         return result
 
     decode_only = args.decode_checkpoint is not None and args.decode_only  # no prepared data needed
@@ -231,6 +241,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["load_average_after"] = os.getloadavg()
     write_json(args.out, result)
     return result
+
+
+def matmul_rates(m: int = 2048, k: int = 1024, n: int = 1024, repeats: int = 20) -> dict[str, float]:
+    """GFLOP/s (2mkn per product) of one thread multiplying (m × k)·(k × n) in fp32 and in bf16, the best of
+    ``repeats`` after a warm-up: the most bf16 can gain over fp32 in a step bound by its matrix products."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rates = {}
+    try:
+        for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+            a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+            for _ in range(3):
+                a @ b
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - start)
+            rates[name] = round(2 * m * k * n / best / 1e9, 1)
+    finally:
+        torch.set_num_threads(threads)
+    rates["bf16_over_fp32"] = round(rates["bf16"] / rates["fp32"], 2)
+    return rates
 
 
 def decode_checkpoint(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
