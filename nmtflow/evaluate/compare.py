@@ -20,6 +20,7 @@ import codecs
 import hashlib
 import json
 import logging
+import os
 import shlex
 import signal
 import subprocess
@@ -482,6 +483,41 @@ def _forward_signals(proc: subprocess.Popen) -> Iterator[Callable[[], bool]]:
         yield lambda: hit["flag"]
 
 
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    """``signum`` to the process group that a run's process leads (its session: ``start_new_session``)."""
+    try:
+        os.killpg(proc.pid, signum)
+    except (ProcessLookupError, PermissionError):  # it has just exited
+        pass
+
+
+@contextmanager
+def _pause_with(children: Callable[[], list[subprocess.Popen]]) -> Iterator[None]:
+    """A terminal's Ctrl-Z (SIGTSTP) to the comparison pauses its running runs too; ``fg`` (SIGCONT) resumes them.
+
+    Each run has a session of its own (so that Ctrl-C reaches it once, forwarded), which the terminal's SIGTSTP does
+    not reach: the comparison stops every run's process group, then itself, and continues them when it continues.
+    ``kill -STOP`` cannot be caught, so it stops the comparison alone. Outside the main thread this does nothing.
+    """
+    def handler(signum: int, frame: Any) -> None:
+        procs = [proc for proc in children() if proc.poll() is None]
+        for proc in procs:
+            _signal_group(proc, signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP)  # returns once something continues the comparison
+        for proc in procs:
+            _signal_group(proc, signal.SIGCONT)
+
+    try:
+        previous = signal.signal(signal.SIGTSTP, handler)
+    except (ValueError, AttributeError):  # not the main thread, or no SIGTSTP on this system
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTSTP, previous)
+
+
 def _run_isolated(job_file: Path, run_dir: Path) -> tuple[int, bool]:
     """Run one job in a child process, echoing its output and appending it to ``train.log``."""
     cmd = [sys.executable, "-m", "nmtflow.evaluate.compare_job", str(job_file)]
@@ -490,7 +526,7 @@ def _run_isolated(job_file: Path, run_dir: Path) -> tuple[int, bool]:
         # a session of its own: a terminal's Ctrl-C reaches only the comparison, which forwards it once
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         assert proc.stdout is not None
-        with _forward_signals(proc) as stopped:
+        with _forward_signals(proc) as stopped, _pause_with(lambda: [proc]):
             while chunk := proc.stdout.read1(1 << 16):
                 logf.write(chunk)
                 logf.flush()  # train.log as current as the terminal (a buffer held ~40 minutes of a long run's log)
@@ -555,7 +591,8 @@ def execute_parallel(jobs: list[tuple[str, dict[str, Any]]], parallel: int,
                      ) -> dict[str, tuple[str, dict[str, Any] | None, str]]:
     """Run ``(label, job)`` pairs ``parallel`` at a time, each in its own process writing to its ``train.log``.
 
-    SIGINT/SIGTERM go to every running run (each saves a checkpoint and exits) and no new run starts.
+    SIGINT/SIGTERM go to every running run (each saves a checkpoint and exits) and no new run starts; SIGTSTP
+    (Ctrl-Z) pauses every running run with the comparison (:func:`_pause_with`).
     ``report(label, job, status, result, error)`` is called as each run ends; returns outcomes by run dir.
     """
     pending, running, outcomes = list(jobs), {}, {}
@@ -566,7 +603,7 @@ def execute_parallel(jobs: list[tuple[str, dict[str, Any]]], parallel: int,
         for proc, _, _, _ in running.values():
             proc.send_signal(signum)
 
-    with on_signals(handler):
+    with on_signals(handler), _pause_with(lambda: [proc for proc, _, _, _ in running.values()]):
         while running or (pending and not hit["flag"]):
             while pending and len(running) < parallel and not hit["flag"]:
                 label, job = pending.pop(0)

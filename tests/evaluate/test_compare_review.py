@@ -171,3 +171,55 @@ def test_the_training_loss_curve_takes_each_entrys_mean_where_the_log_has_one(tm
     assert validation_curves(run, ("loss_mean", "loss"), "train") == ([1, 2], [5.0, 4.5])
     assert validation_curves(run, "loss", "train") == ([1, 2], [5.0, 4.0])
     assert validation_curves(run, "nll") == ([2], [3.0])
+
+
+def _state(pid: int) -> str:
+    """The process's state letter from /proc (``T``: stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _wait_for(predicate, seconds: float = 20.0) -> bool:
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_ctrl_z_pauses_a_comparisons_runs_and_fg_resumes_them() -> None:
+    """A run has a session of its own, so a terminal's Ctrl-Z (SIGTSTP) stopped the comparison and left its
+    trainings running; now the comparison stops each run's process group first and continues it when continued."""
+    import os
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from nmtflow.evaluate.compare import _pause_with\n"
+        "sleeper = 'import time\\nwhile True: time.sleep(0.01)'\n"
+        "child = subprocess.Popen([sys.executable, '-c', sleeper], start_new_session=True)\n"
+        "with _pause_with(lambda: [child]):\n"
+        "    print(child.pid, flush=True)\n"
+        "    while True:\n"
+        "        time.sleep(0.05)\n")], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert _state(child) != "T"
+        os.kill(parent.pid, signal.SIGTSTP)  # what the terminal sends on Ctrl-Z
+        assert _wait_for(lambda: _state(parent.pid) == "T" and _state(child) == "T")
+        os.kill(parent.pid, signal.SIGCONT)  # what the shell's fg sends
+        assert _wait_for(lambda: _state(parent.pid) != "T" and _state(child) != "T")
+    finally:
+        for pid in (child, parent.pid):
+            if pid:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        parent.wait()
