@@ -14,7 +14,9 @@ with PyTorch's dropout masks instead of nmtflow's (:mod:`nmtflow.nn.dropout`). T
 ``--valid-sentences`` pairs) is compared (``--decode-only`` skips training). Last, a model translates the first
 ``--decode-sentences`` validation sentences with beam search, alternating batch by batch between the decoding
 systems: ``fp32``; ``bf16`` (``decode.precision: bf16``: the matrix modules in bf16, the embeddings, residual
-sums, LayerNorms and output layer in fp32, :mod:`nmtflow.decode.precision`); ``bf16_whole_copy`` (the copy as
+sums, LayerNorms and output layer in fp32, :mod:`nmtflow.decode.precision`); the same copy with each step's
+attention the other way than nmtflow chooses on this CPU (:func:`nmtflow.nn.attention.single_query_products`):
+``bf16_fused_attention`` (PyTorch's fused kernel, as before) or ``bf16_single_query_attention``; ``bf16_whole_copy`` (the copy as
 nmtflow made it before: the whole model in bf16 but the output layer and, on the CPU, the LayerNorms' parameters,
 so the residual stream in bf16); ``bf16_logits_in_bf16`` (the whole model in bf16, the output layer too);
 ``bf16_autocast`` (fp32 weights under bf16 autocast). Reported: sentences/s,
@@ -109,12 +111,30 @@ def whole_copy(model: EncoderDecoder) -> EncoderDecoder:
     return cast
 
 
-def decoding_systems(model: EncoderDecoder) -> dict[str, tuple[EncoderDecoder, str]]:
-    """name → (model, autocast precision) of each way to decode ``model`` (fp32 weights) compared here."""
-    return {"fp32": (model, "fp32"), "bf16": (model_in_precision(model, "bf16"), "fp32"),
-            "bf16_whole_copy": (whole_copy(model), "fp32"),
-            "bf16_logits_in_bf16": (copy.deepcopy(model).to(torch.bfloat16), "fp32"),
-            "bf16_autocast": (model, "bf16")}
+def decoding_systems(model: EncoderDecoder) -> dict[str, tuple[EncoderDecoder, str, bool]]:
+    """name → (model, autocast precision, single-query attention) of each way to decode ``model`` (fp32 weights)
+    compared here; single-query attention as nmtflow chooses it on this CPU
+    (:func:`nmtflow.nn.attention.single_query_products`), and ``bf16`` the other way too: ``bf16_fused_attention``
+    (each step's attention through PyTorch's fused kernel, as nmtflow did before) or ``bf16_single_query_attention``."""
+    bf16 = model_in_precision(model, "bf16")
+    default = attention.single_query_products()  # as nmtflow decodes on this CPU
+    return {"fp32": (model, "fp32", default), "bf16": (bf16, "fp32", default),
+            "bf16_fused_attention" if default else "bf16_single_query_attention": (bf16, "fp32", not default),
+            "bf16_whole_copy": (whole_copy(model), "fp32", default),
+            "bf16_logits_in_bf16": (copy.deepcopy(model).to(torch.bfloat16), "fp32", default),
+            "bf16_autocast": (model, "bf16", default)}
+
+
+@contextmanager
+def single_query_products(enabled: bool) -> Iterator[None]:
+    """Decoding steps' attention by :func:`nmtflow.nn.attention.single_query_attention` (True) or PyTorch's fused
+    kernel (False) within the block."""
+    saved = attention.SINGLE_QUERY_PRODUCTS
+    attention.SINGLE_QUERY_PRODUCTS = enabled
+    try:
+        yield
+    finally:
+        attention.SINGLE_QUERY_PRODUCTS = saved
 
 
 def timed_decoding(model: EncoderDecoder, sources: list[list[int]], args: argparse.Namespace,
@@ -129,15 +149,15 @@ def timed_decoding(model: EncoderDecoder, sources: list[list[int]], args: argpar
     outputs: dict[str, list[list[int]]] = {name: [] for name in systems}
     search = dict(beam_size=args.beam, len_penalty=0.6, max_len_a=1.5, max_len_b=10)
     with torch.inference_mode():
-        for name, (decoder, precision) in systems.items():  # warm-up
-            with autocast(precision, device):
+        for name, (decoder, precision, single) in systems.items():  # warm-up
+            with autocast(precision, device), single_query_products(single):
                 beam_search(decoder, src_batches[0][:8], **search)
         names = list(systems)
         for i, src in enumerate(src_batches):  # the order rotates: who meets a batch's shapes first compiles
             for name in names[i % len(names):] + names[:i % len(names)]:  # oneDNN's bf16 kernels for them
-                decoder, precision = systems[name]
+                decoder, precision, single = systems[name]
                 start, cpu_start = time.perf_counter(), time.process_time()
-                with autocast(precision, device):
+                with autocast(precision, device), single_query_products(single):
                     hyps = beam_search(decoder, src, **search)
                 seconds[name] += time.perf_counter() - start
                 cpu_seconds[name] += time.process_time() - cpu_start

@@ -26,13 +26,18 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # train.preci
 SPEED_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
                "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16")
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # bf16 matrix products in hardware (x86, Arm)
+# /proc/cpuinfo's fields that tell one CPU generation from another (x86; Arm's "CPU implementer", "CPU part")
+CPU_ID_FIELDS = {"vendor_id": "cpu_vendor", "cpu family": "cpu_family", "model": "cpu_model_number",
+                 "stepping": "cpu_stepping", "cpu implementer": "cpu_implementer", "cpu part": "cpu_part"}
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_info() -> dict[str, Any]:
-    """The CPU's model name and its :data:`SPEED_FLAGS` (from /proc/cpuinfo; ``platform.processor()`` elsewhere),
-    and ``native_bf16``: whether it multiplies bf16 matrices in hardware (AMX or AVX-512 BF16, Arm BF16)."""
+    """The CPU's model name, its vendor, family, model number and stepping (``AMD EPYC`` alone names Zen 4 and
+    Zen 5 alike: family 25 and 26), its :data:`SPEED_FLAGS` (from /proc/cpuinfo; ``platform.processor()``
+    elsewhere), and ``native_bf16``: whether it multiplies bf16 matrices in hardware (AMX or AVX-512 BF16, Arm BF16)."""
     model, flags = platform.processor() or platform.machine(), set()
+    ids: dict[str, str] = {}  # the identifying fields of /proc/cpuinfo, as they are there
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
             for line in handle:
@@ -42,11 +47,13 @@ def cpu_info() -> dict[str, Any]:
                     model = value.strip()
                 elif key in ("flags", "features"):
                     flags.update(value.split())
+                elif key in CPU_ID_FIELDS and value.strip():
+                    ids.setdefault(CPU_ID_FIELDS[key], value.strip())
                 if key == "" and flags:  # the first processor's block is enough
                     break
     except OSError:
         pass
-    return {"cpu_model": model, "cpu_flags": [f for f in SPEED_FLAGS if f in flags],
+    return {"cpu_model": model, **ids, "cpu_flags": [f for f in SPEED_FLAGS if f in flags],
             "native_bf16": any(f in flags for f in NATIVE_BF16_FLAGS)}
 
 

@@ -96,15 +96,18 @@ def test_machine_info_names_the_cpu_and_its_speed_flags(monkeypatch: pytest.Monk
     assert info["native_bf16"] == any(f in info["cpu_flags"] for f in runtime.NATIVE_BF16_FLAGS)
     # read from /proc/cpuinfo: the first processor's model name and flags
     fake = tmp_path / "cpuinfo"
-    fake.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu avx2 fma amx_bf16 amx_tile\n\n"
-                    "processor\t: 1\nmodel name\t: other\nflags\t\t: fpu\n", encoding="utf-8")
+    fake.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n"
+                    "model name\t: Test CPU 9000\nstepping\t: 1\nflags\t\t: fpu avx2 fma amx_bf16 amx_tile\n\n"
+                    "processor\t: 1\nvendor_id\t: other\ncpu family\t: 6\nmodel\t\t: 9\nmodel name\t: other\n"
+                    "flags\t\t: fpu\n", encoding="utf-8")
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(fake if path == "/proc/cpuinfo" else path,
                                                                         *a, **k))
     runtime.cpu_info.cache_clear()
     try:
-        assert runtime.cpu_info() == {"cpu_model": "Test CPU 9000", "cpu_flags": ["avx2", "fma", "amx_tile", "amx_bf16"],
-                                      "native_bf16": True}
+        assert runtime.cpu_info() == {"cpu_model": "Test CPU 9000", "cpu_vendor": "AuthenticAMD", "cpu_family": "26",
+                                      "cpu_model_number": "2", "cpu_stepping": "1",
+                                      "cpu_flags": ["avx2", "fma", "amx_tile", "amx_bf16"], "native_bf16": True}
     finally:
         runtime.cpu_info.cache_clear()
 

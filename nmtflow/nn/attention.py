@@ -23,6 +23,7 @@ from nmtflow.config import ConfigError
 from nmtflow.nn.dropout import dropout
 from nmtflow.nn.layers import masked_softmax
 from nmtflow.registry import ATTENTIONS, register_attention
+from nmtflow.runtime import cpu_info
 
 
 @dataclass
@@ -95,12 +96,12 @@ tokens) the attention kernels took 5.7 ms instead of 9.0 (``benchmarks/gpu_base.
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, causal: bool) -> Tensor:
-    """``F.scaled_dot_product_attention`` (mask True = may attend), except in bf16 on a CPU while gradients are
-    recorded: there PyTorch's CPU kernel runs its backward many times slower than in fp32 (``benchmarks/bf16_cpu.py``),
-    so the attention itself is computed in fp32 with autocast off, and the result cast back; the projections around
-    it stay in bf16. Without gradients (decoding, validation) the bf16 kernel runs: casting the key/value caches
-    up at every decoding step would cost more than the attention. On a GPU, short causal self-attention in training
-    runs on the memory-efficient kernel (:data:`EFFICIENT_CAUSAL_MAX_LEN`)."""
+    """``F.scaled_dot_product_attention`` (mask True = may attend), except on a CPU in two cases. In bf16 while
+    gradients are recorded, PyTorch's CPU kernel runs its backward many times slower than in fp32
+    (``benchmarks/bf16_cpu.py``), so the attention itself is computed in fp32 with autocast off, and the result cast
+    back; the projections around it stay in bf16. Without gradients, one bf16 query per row (a bf16 decoding step)
+    goes to :func:`single_query_attention` (:func:`single_query_products`). On a GPU, short causal self-attention in training runs on the
+    memory-efficient kernel (:data:`EFFICIENT_CAUSAL_MAX_LEN`)."""
     if (causal and q.is_cuda and k.size(2) <= EFFICIENT_CAUSAL_MAX_LEN and torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and torch.backends.cuda.mem_efficient_sdp_enabled()):
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
@@ -111,7 +112,35 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
             out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p,
                                                  is_causal=causal)
         return out.to(q.dtype)
+    if (q.device.type == "cpu" and q.size(-2) == 1 and q.dtype != torch.float32 and not causal and dropout_p == 0.0
+            and not torch.is_grad_enabled() and (mask is None or mask.dtype == torch.bool) and single_query_products()):
+        return single_query_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)
+
+
+SINGLE_QUERY_PRODUCTS: bool | None = None  # None: where the CPU lacks AMX; True / False: always / never (benchmarks)
+
+
+def single_query_products() -> bool:
+    """Whether a bf16 decoding step's attention on the CPU takes :func:`single_query_attention`
+    (:data:`SINGLE_QUERY_PRODUCTS`; by default on CPUs without AMX, where PyTorch's fused bf16 kernel has no tiles
+    to run on: measured there, not on AMX CPUs, whose decoding was measured with the fused kernel)."""
+    if SINGLE_QUERY_PRODUCTS is not None:
+        return SINGLE_QUERY_PRODUCTS
+    return "amx_bf16" not in cpu_info()["cpu_flags"]
+
+
+def single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """softmax(q Kᵀ / √Dh) V for one bf16 query per row, q (B,H,1,Dh), k/v (B,H,S,Dh), mask broadcastable to
+    (B,H,1,S) with True = may attend (a row that may attend to nothing gets zero context, as in SDPA): the scores
+    and their softmax in float32 (a bf16 product would round the scores to 8 bits: fewer outputs identical to
+    fp32 decoding's), the weights times V as a bf16 product. On a 2-core CPU with AVX-512 BF16 and no AMX,
+    PyTorch's fused bf16 kernel took ×2.5–4.4 this function's time for a decoding step (and no less at two threads
+    than at one): bf16 beam search ran ×1.08 faster at one thread and ×1.3 at two (``benchmarks/README.md``,
+    ``benchmarks/decode_attention.py``)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (q.size(-1) ** -0.5)  # (B,H,1,S)
+    weights = scores.softmax(-1) if mask is None else masked_softmax(scores, ~mask)
+    return torch.matmul(weights.to(v.dtype), v)
 
 
 def extend_cache(cache: Tensor, new: Tensor, rows: Tensor | None = None, dim: int = 2) -> Tensor:

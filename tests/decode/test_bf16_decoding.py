@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nmtflow
 from nmtflow import runtime
+from nmtflow.nn import attention
 from nmtflow.config import ConfigError, DecodeConfig, load_config
 from nmtflow.data.vocab import BOS, EOS
 from nmtflow.decode.ensemble import Ensemble
@@ -79,16 +81,23 @@ class FloatProducts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("single_query", [False, True], ids=["fused-attention", "single-query-attention"])
 @pytest.mark.parametrize("name", ["transformer", "feature-fusion", "phrasal", "convs2s", "rnn", "shortcuts", "densenmt"])
-def test_every_product_of_the_copy_but_the_output_layer_is_bf16(name: str) -> None:
+def test_every_product_of_the_copy_but_the_output_layer_is_bf16(name: str, single_query: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """No attention or projection of the copy falls back to float32 (e.g. a bf16 matrix output multiplied with the
-    float32 stream cast up, not down)."""
+    float32 stream cast up, not down); with single-query attention (:func:`nmtflow.nn.attention.sdpa` on CPUs
+    without AMX) only its scores, one query (B,H,1,Dh) times the keys, are float32 products, as intended."""
+    monkeypatch.setattr(attention, "SINGLE_QUERY_PRODUCTS", single_query)
     model = tiny(name, 3)
     src, _ = padded_batch(V)
     cast = model_in_precision(model, "bf16")
     with FloatProducts() as products:
         beam_search(cast, src, beam_size=2, max_len_b=3)
-    assert products.seen == []
+    scores = re.compile(r"^(matmul|bmm)\[\((\d+, )+1, \d+\), ")  # the first operand one query per row
+    unexpected = [p for p in products.seen if not (single_query and scores.match(p))]
+    assert unexpected == []
+    assert name in ("convs2s", "densenmt", "rnn", "phrasal") or any(scores.match(p) for p in products.seen) == single_query
 
 
 @pytest.mark.parametrize("model", MULTILINGUAL, ids=MULTILINGUAL_IDS)
