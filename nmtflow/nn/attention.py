@@ -112,7 +112,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
             out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout_p,
                                                  is_causal=causal)
         return out.to(q.dtype)
-    if (q.device.type == "cpu" and q.size(-2) == 1 and q.dtype != torch.float32 and not causal and dropout_p == 0.0
+    if (q.device.type == "cpu" and q.size(-2) == 1 and q.dtype == torch.bfloat16 and not causal and dropout_p == 0.0
             and not torch.is_grad_enabled() and (mask is None or mask.dtype == torch.bool) and single_query_products()):
         return single_query_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)

@@ -71,6 +71,7 @@ def test_a_bf16_decoding_steps_attention_takes_single_query_products(monkeypatch
     with torch.inference_mode():
         sdpa(torch.randn(6, 4, 3, 8).bfloat16(), k, v, mask, 0.0, False)
         sdpa(q.float(), k.float(), v.float(), mask, 0.0, False)
+        sdpa(q.double(), k.double(), v.double(), mask, 0.0, False)
         sdpa(q, k[:, :, :1], v[:, :, :1], None, 0.0, True)
         sdpa(q, k, v, mask, 0.1, False)
     assert not calls
