@@ -28,7 +28,8 @@ SPEED_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")  # bf16 matrix products in hardware (x86, Arm)
 # /proc/cpuinfo's fields that tell one CPU generation from another (x86; Arm's "CPU implementer", "CPU part")
 CPU_ID_FIELDS = {"vendor_id": "cpu_vendor", "cpu family": "cpu_family", "model": "cpu_model_number",
-                 "stepping": "cpu_stepping", "cpu implementer": "cpu_implementer", "cpu part": "cpu_part"}
+                 "stepping": "cpu_stepping", "cpu implementer": "cpu_implementer", "cpu part": "cpu_part",
+                 "cpu variant": "cpu_variant", "cpu revision": "cpu_revision"}
 
 
 @functools.lru_cache(maxsize=1)

@@ -118,16 +118,18 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)
 
 
-SINGLE_QUERY_PRODUCTS: bool | None = None  # None: where the CPU lacks AMX; True / False: always / never (benchmarks)
+SINGLE_QUERY_PRODUCTS: bool | None = None  # None: on x86 CPUs with AVX-512 BF16 but no AMX; True / False: always / never
 
 
 def single_query_products() -> bool:
     """Whether a bf16 decoding step's attention on the CPU takes :func:`single_query_attention`
-    (:data:`SINGLE_QUERY_PRODUCTS`; by default on CPUs without AMX, where PyTorch's fused bf16 kernel has no tiles
-    to run on: measured there, not on AMX CPUs, whose decoding was measured with the fused kernel)."""
+    (:data:`SINGLE_QUERY_PRODUCTS`; by default where it was measured to pay, on x86 CPUs with AVX-512 BF16 but no
+    AMX, where PyTorch's fused bf16 kernel has no tiles to run on; AMX CPUs, whose bf16 decoding was measured with
+    the fused kernel, and CPUs where bf16 is not native or not measured keep it)."""
     if SINGLE_QUERY_PRODUCTS is not None:
         return SINGLE_QUERY_PRODUCTS
-    return "amx_bf16" not in cpu_info()["cpu_flags"]
+    flags = cpu_info()["cpu_flags"]
+    return "avx512_bf16" in flags and "amx_bf16" not in flags
 
 
 def single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -138,9 +140,10 @@ def single_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None)
     PyTorch's fused bf16 kernel took ×2.5–4.4 this function's time for a decoding step (and no less at two threads
     than at one): bf16 beam search ran ×1.08 faster at one thread and ×1.3 at two (``benchmarks/README.md``,
     ``benchmarks/decode_attention.py``)."""
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (q.size(-1) ** -0.5)  # (B,H,1,S)
-    weights = scores.softmax(-1) if mask is None else masked_softmax(scores, ~mask)
-    return torch.matmul(weights.to(v.dtype), v)
+    with torch.autocast("cpu", enabled=False):  # under bf16 autocast the float32 products would be cast down
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * (q.size(-1) ** -0.5)  # (B,H,1,S)
+        weights = scores.softmax(-1) if mask is None else masked_softmax(scores, ~mask)
+        return torch.matmul(weights.to(v.dtype), v)
 
 
 def extend_cache(cache: Tensor, new: Tensor, rows: Tensor | None = None, dim: int = 2) -> Tensor:

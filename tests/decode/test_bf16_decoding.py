@@ -89,15 +89,18 @@ def test_every_product_of_the_copy_but_the_output_layer_is_bf16(name: str, singl
     float32 stream cast up, not down); with single-query attention (:func:`nmtflow.nn.attention.sdpa` on CPUs
     without AMX) only its scores, one query (B,H,1,Dh) times the keys, are float32 products, as intended."""
     monkeypatch.setattr(attention, "SINGLE_QUERY_PRODUCTS", single_query)
+    calls: list[int] = []
+    single = attention.single_query_attention
+    monkeypatch.setattr(attention, "single_query_attention", lambda *a: calls.append(1) or single(*a))
     model = tiny(name, 3)
     src, _ = padded_batch(V)
     cast = model_in_precision(model, "bf16")
     with FloatProducts() as products:
         beam_search(cast, src, beam_size=2, max_len_b=3)
     scores = re.compile(r"^(matmul|bmm)\[\((\d+, )+1, \d+\), ")  # the first operand one query per row
-    unexpected = [p for p in products.seen if not (single_query and scores.match(p))]
-    assert unexpected == []
-    assert name in ("convs2s", "densenmt", "rnn", "phrasal") or any(scores.match(p) for p in products.seen) == single_query
+    assert all(scores.match(p) for p in products.seen)
+    assert len(products.seen) == len(calls)  # one float32 product per call: its scores, not its weights times V
+    assert bool(calls) == (single_query and name not in ("convs2s", "densenmt", "rnn"))  # no SDPA there
 
 
 @pytest.mark.parametrize("model", MULTILINGUAL, ids=MULTILINGUAL_IDS)

@@ -65,6 +65,9 @@ def test_a_bf16_decoding_steps_attention_takes_single_query_products(monkeypatch
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     assert torch.allclose(single_query_attention(q, k, v, None).float(),
                           F.scaled_dot_product_attention(q.float(), k.float(), v.float()), atol=0.02)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):  # decoding under autocast
+        autocast_out = sdpa(q, k, v, mask, 0.0, False)
+    assert torch.equal(autocast_out, out)  # the scores stay float32: autocast does not cast them down
     # not taken: with gradients, several queries, fp32, a causal call, dropout
     calls.clear()
     sdpa(q, k, v, mask, 0.0, False)  # gradients on (outside inference mode): fp32 attention as in training
@@ -79,7 +82,8 @@ def test_a_bf16_decoding_steps_attention_takes_single_query_products(monkeypatch
 
 def test_single_query_products_by_default_where_the_cpu_has_no_amx(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "SINGLE_QUERY_PRODUCTS", None)
-    for flags, expected in ((["avx512f", "avx512_bf16"], True), (["avx512_bf16", "amx_tile", "amx_bf16"], False)):
+    for flags, expected in ((["avx512f", "avx512_bf16"], True), (["avx512_bf16", "amx_tile", "amx_bf16"], False),
+                            (["avx2"], False), (["asimd", "bf16"], False), ([], False)):
         monkeypatch.setattr(attention, "cpu_info", lambda: {"cpu_model": "x", "cpu_flags": flags, "native_bf16": True})
         assert attention.single_query_products() is expected
 
