@@ -100,8 +100,8 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
     gradients are recorded, PyTorch's CPU kernel runs its backward many times slower than in fp32
     (``benchmarks/bf16_cpu.py``), so the attention itself is computed in fp32 with autocast off, and the result cast
     back; the projections around it stay in bf16. Without gradients, one bf16 query per row (a bf16 decoding step)
-    goes to :func:`single_query_attention` (:func:`single_query_products`). On a GPU, short causal self-attention in training runs on the
-    memory-efficient kernel (:data:`EFFICIENT_CAUSAL_MAX_LEN`)."""
+    goes to :func:`single_query_attention` where :func:`single_query_products` says so. On a GPU, short causal
+    self-attention in training runs on the memory-efficient kernel (:data:`EFFICIENT_CAUSAL_MAX_LEN`)."""
     if (causal and q.is_cuda and k.size(2) <= EFFICIENT_CAUSAL_MAX_LEN and torch.is_grad_enabled()
             and not torch.compiler.is_compiling() and torch.backends.cuda.mem_efficient_sdp_enabled()):
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
