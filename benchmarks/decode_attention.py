@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             run = {"threads": threads, **measure(rows, heads, keys, args.head_dim, args.calls, args.rounds)}
             result["runs"].append(run)
             us = run["microseconds"]
-            print(f"threads {threads}, {rows} rows × {heads} heads, {keys} keys: fused fp32 {us['fused_fp32']:.0f} µs, "
-                  f"fused bf16 {us['fused_bf16']:.0f}, single-query bf16 {us['single_query_bf16']:.0f}")
+            print(f"threads {threads}, {rows} rows × {heads} heads, {keys} keys: "
+                  f"fused fp32 {us['fused_fp32']:.0f} µs, fused bf16 {us['fused_bf16']:.0f}, single-query bf16 {us['single_query_bf16']:.0f}")
     write_json(args.out, result)
     print(f"wrote {args.out}")
     return result

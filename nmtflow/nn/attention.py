@@ -118,7 +118,7 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal)
 
 
-SINGLE_QUERY_PRODUCTS: bool | None = None  # None: on x86 CPUs with AVX-512 BF16 but no AMX; True / False: always / never
+SINGLE_QUERY_PRODUCTS: bool | None = None  # None: x86 with AVX-512 BF16 and no AMX; True / False: always / never
 
 
 def single_query_products() -> bool:
