@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["runs"].append(run)
             us = run["microseconds"]
             print(f"threads {threads}, {rows} rows × {heads} heads, {keys} keys: "
-                  f"fused fp32 {us['fused_fp32']:.0f} µs, fused bf16 {us['fused_bf16']:.0f}, single-query bf16 {us['single_query_bf16']:.0f}")
+                  f"fused fp32 {us['fused_fp32']:.0f} µs, fused bf16 {us['fused_bf16']:.0f}, "
+                  f"single-query bf16 {us['single_query_bf16']:.0f}")
     write_json(args.out, result)
     print(f"wrote {args.out}")
     return result
