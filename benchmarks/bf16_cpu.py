@@ -18,10 +18,10 @@ sums, LayerNorms and output layer in fp32, :mod:`nmtflow.decode.precision`); the
 attention the other way than nmtflow chooses on this CPU (:func:`nmtflow.nn.attention.single_query_products`):
 ``bf16_fused_attention`` (PyTorch's fused kernel, as before) or ``bf16_single_query_attention``;
 ``bf16_whole_copy`` (the copy as nmtflow made it before: the whole model in bf16 but the output layer and, on the
-CPU, the LayerNorms' parameters, so the residual stream in bf16); ``bf16_logits_in_bf16`` (the whole model in bf16, the output layer too);
-``bf16_autocast`` (fp32 weights under bf16 autocast). Reported: sentences/s,
-the speed over fp32 in wall time and in this process's CPU time (less disturbed by other work on the machine) and
-the share of outputs identical to fp32's. The model is the fp32-trained one of the training part, or, with
+CPU, the LayerNorms' parameters, so the residual stream in bf16); ``bf16_logits_in_bf16`` (the whole model in bf16,
+the output layer too); ``bf16_autocast`` (fp32 weights under bf16 autocast). Reported: sentences/s, the speed over
+fp32 in wall time and in this process's CPU time (less disturbed by other work on the machine) and the share of
+outputs identical to fp32's. The model is the fp32-trained one of the training part, or, with
 ``--decode-checkpoint``, a trained checkpoint (its sources: ``DATA/val.SRC`` through its own tokenizer); with it,
 ``--decode-workers N`` also times ``Translator.translate_ids`` in fp32 and bf16 in this process and in N worker
 processes (``decode.workers``), whole-set rounds alternating. The machine's load average is recorded before and

@@ -9,9 +9,8 @@ key padding mask (B,1,1,S) as in cross-attention (about a tenth of the keys mask
 on the same tensors, without gradients: PyTorch's fused kernel in fp32 (``fused_fp32``: fp32 decoding) and in bf16
 (``fused_bf16``: the bf16 decoding copy as before), and :func:`nmtflow.nn.attention.single_query_attention` on the
 bf16 tensors (``single_query_bf16``: the copy now where nmtflow chooses it, on x86 CPUs with AVX-512 BF16 and no
-AMX). Each shape at
-every ``--threads`` count; also the largest difference of each bf16 path from fp32 attention of the same bf16
-inputs.
+AMX). Each shape at every ``--threads`` count; also the largest difference of each bf16 path from fp32 attention
+of the same bf16 inputs.
 """
 from __future__ import annotations
 
