@@ -215,7 +215,7 @@ class TrainConfig:
     threads: int | None = None  # torch intra-op threads on CPU (None: torch's default)
     max_updates: int = 100_000
     max_epochs: int | None = None
-    max_minutes: float | None = None  # wall-clock budget
+    max_minutes: float | None = None  # budget: wall-clock minutes the process ran (stopped spans left out)
     update_freq: int = 1  # gradient accumulation: batches per update
     optimizer: str = "adam"
     lr: float = 7e-4

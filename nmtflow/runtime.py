@@ -8,6 +8,9 @@ import logging
 import os
 import platform
 import sys
+import threading
+import time
+import weakref
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -79,6 +82,57 @@ def machine_info(device: str | torch.device | None = None, **extra: Any) -> dict
         if resolved.type == "cuda" and torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(resolved)
     return {**info, **extra}
+
+
+class RunningClock:
+    """Seconds of this process's running time: ``time.perf_counter()`` less the spans the process stood stopped as a
+    whole (``kill -STOP``, a terminal's Ctrl-Z, a paused comparison, a suspended machine), which would otherwise count
+    as training time in ``train.max_minutes``, in the logged tokens/s and in a run's reported training time.
+
+    A daemon thread wakes every ``tick`` seconds. Every thread of a stopped process stands still, so a wake-up more
+    than ``gap`` seconds late is a stop, and the lateness is not counted. Stops shorter than ``gap`` count as running
+    time, as would a wake-up kept waiting for more than ``gap`` seconds by code holding the GIL (nothing in training
+    holds it that long: torch releases it inside its operations). :meth:`close` ends the thread, as does losing the
+    last reference to the clock.
+    """
+
+    def __init__(self, tick: float = 0.25, gap: float = 5.0) -> None:
+        self.tick, self.gap, self.stopped_seconds = tick, gap, 0.0
+        self._last = time.perf_counter()
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=RunningClock._watch, args=(weakref.ref(self), self._closed, tick),
+                                        name="nmtflow-running-clock", daemon=True)
+        self._thread.start()
+
+    def _account(self) -> float:
+        """Take a stop that has ended since the last wake-up off the clock; returns the clock's reading."""
+        with self._lock:
+            now = time.perf_counter()
+            late = now - self._last - self.tick
+            if late > self.gap:
+                self.stopped_seconds += late
+            self._last = now
+            return now - self.stopped_seconds
+
+    @staticmethod
+    def _watch(ref: weakref.ref[RunningClock], closed: threading.Event, tick: float) -> None:
+        """The waking thread; it ends with :meth:`close` or once the clock is gone (an exception left it unclosed)."""
+        while not closed.wait(tick):
+            clock = ref()
+            if clock is None:
+                return
+            clock._account()
+            del clock
+
+    def __call__(self) -> float:
+        """Running seconds since an arbitrary origin (differences are what count, as with ``perf_counter``); a stop
+        that has just ended is taken off first, whether or not the thread has woken since."""
+        return self._account()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
 
 
 def new_file_mode() -> int:

@@ -1,8 +1,12 @@
 """The process-wide malloc setting: applied once on Linux, skipped when the user opts out."""
 from __future__ import annotations
 
+import gc
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -154,3 +158,45 @@ def test_onednns_kernel_cache_holds_more_shapes_than_its_default() -> None:
 
     assert compiled() == 1298
     assert compiled(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024") == 2 * 1298
+
+
+STOPPED_CHILD = """
+import time
+from nmtflow.runtime import RunningClock
+clock = RunningClock(tick=0.05, gap=0.5)
+wall, running = time.perf_counter(), clock()
+print("ready", flush=True)
+time.sleep(3.0)  # the parent stops this process for 2 s of these 3
+print(time.perf_counter() - wall, clock() - running, clock.stopped_seconds, flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs POSIX job-control signals")
+@pytest.mark.parametrize("stop", [True, False])
+def test_running_clock_leaves_out_the_time_its_process_stood_stopped(stop: bool) -> None:
+    """Training time (train.max_minutes, tokens/s) must not count a ``kill -STOP`` / Ctrl-Z pause."""
+    child = subprocess.Popen([sys.executable, "-c", STOPPED_CHILD], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    if stop:
+        time.sleep(0.3)
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(2.0)
+        os.kill(child.pid, signal.SIGCONT)
+    wall, running, stopped = map(float, child.stdout.readline().split())
+    assert child.wait(timeout=30) == 0
+    assert wall >= 2.9
+    if stop:
+        assert 1.5 < wall - running < 2.5 and stopped == pytest.approx(wall - running, abs=0.01)
+    else:
+        assert wall - running < 0.01 and stopped == 0.0
+
+
+def test_running_clock_thread_ends_with_close_or_with_the_clock() -> None:
+    closed, dropped = runtime.RunningClock(tick=0.01), runtime.RunningClock(tick=0.01)
+    threads = closed._thread, dropped._thread
+    closed.close()
+    del dropped
+    gc.collect()
+    for thread in threads:
+        thread.join(timeout=2)
+        assert not thread.is_alive()

@@ -14,7 +14,6 @@ import logging
 import math
 import shutil
 import signal
-import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,8 @@ from nmtflow.decode.translate import Translator, bytes_tensor
 from nmtflow.evaluate.metrics import bleu
 from nmtflow.models.base import EncoderDecoder, Vocabularies, build_model, count_parameters, position_limits
 from nmtflow.nn.compiled import compile_regions, compiler_missing
-from nmtflow.runtime import autocast, keep_freed_memory, release_freed_memory, use_precision, warn_if_bf16_emulated
+from nmtflow.runtime import (RunningClock, autocast, keep_freed_memory, release_freed_memory, use_precision,
+                             warn_if_bf16_emulated)
 from nmtflow.train import distributed, finetune
 from nmtflow.train.loss import label_smoothed_nll
 from nmtflow.train.optim import build_optimizer, build_scheduler
@@ -549,8 +549,9 @@ class Trainer:
                  f" in each of {self.dist.world_size} processes" if self.dist.world_size > 1 else "")
         bar = tqdm(total=tc.max_updates, initial=p.update, disable=not (tc.progress and self.dist.is_main) or None,
                    desc="train", unit="upd", dynamic_ncols=True)
-        start = time.perf_counter() - p.elapsed
-        window_start = time.perf_counter()
+        clock = RunningClock()  # not counting time the process stood stopped (SIGSTOP, Ctrl-Z)
+        start = clock() - p.elapsed
+        window_start = clock()
         window = dict.fromkeys(("updates", "tokens", "loss", "nll"), 0.0)  # since the last log line (token-weighted)
         stream = self.batches()
         started = False
@@ -573,7 +574,7 @@ class Trainer:
                 p.epoch, p.position = group[-1][0], group[-1][1]
                 if p.position == len(self.epoch_batches(p.epoch)):
                     p.epoch, p.position = p.epoch + 1, 0
-                p.elapsed = time.perf_counter() - start
+                p.elapsed = clock() - start
                 skipped = bool(stats["skipped"])
                 if stats.get("overflow"):  # (only with fp16's GradScaler)
                     assert self.scaler is not None
@@ -606,8 +607,8 @@ class Trainer:
                     # (a multilingual run's batches differ by direction: one batch's loss swings from line to line)
                     tokens, updates = max(window["tokens"], 1), int(window["updates"])
                     loss_mean, nll_mean = window["loss"] / tokens, window["nll"] / tokens
-                    speed = window["tokens"] / max(time.perf_counter() - window_start, 1e-9)
-                    window, window_start = dict.fromkeys(window, 0.0), time.perf_counter()
+                    speed = window["tokens"] / max(clock() - window_start, 1e-9)
+                    window, window_start = dict.fromkeys(window, 0.0), clock()
                     self.record("train", {**{k: stats[k] for k in ("loss", "nll", "lr", "gnorm")},
                                           "loss_mean": loss_mean, "nll_mean": nll_mean, "mean_of_updates": updates})
                     self.record("speed", {"tgt_tokens_per_s": speed, "elapsed": p.elapsed})
@@ -629,7 +630,7 @@ class Trainer:
                     p.stopped = "interrupted (resume with the same command)"
                 due_valid = bool(tc.validate_every and p.update % tc.validate_every == 0 and not skipped)
                 is_best = False
-                paused = time.perf_counter()  # validation and saving are not training speed
+                set_aside = clock()  # validation and saving are not training speed
                 validated = self.valid_data is not None and (
                     due_valid or bool(p.stopped and not p.stopped.startswith("interrupted")))
                 if validated:
@@ -638,8 +639,9 @@ class Trainer:
                     self.save(best=is_best)
                 if validated:
                     release_freed_memory()  # what validation's decoding left in the heap, which steps never reuse
-                window_start += time.perf_counter() - paused
+                window_start += clock() - set_aside
         bar.close()
+        clock.close()
         if self.writer:
             self.writer.flush()
         log.info("training stopped: %s (update %d, %.1f min)", p.stopped, p.update, p.elapsed / 60)

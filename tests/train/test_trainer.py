@@ -107,3 +107,24 @@ def test_each_log_line_has_the_means_of_the_updates_since_the_last(copy_data: Pa
             assert entry[f"{key}_mean"] == pytest.approx(mean, rel=1e-6)
             assert entry[key] == per_update[entry["update"]][key]
     assert len({round(e["loss_mean"] - e["loss"], 9) for e in logged}) > 1  # the means are not the last losses
+
+
+def test_time_the_process_stood_stopped_is_not_training_time(copy_data: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``train.max_minutes``, the reported training time and tokens/s run on ``RunningClock`` (which leaves out a
+    ``kill -STOP``/Ctrl-Z pause: tests/test_runtime.py): a clock that stands still, as for a run stopped throughout,
+    leaves even a tiny time budget unspent, where the wall clock spends it at the first update."""
+    config = tiny_config(copy_data, tmp_path / "wall", max_updates=6, valid_bleu=False, max_minutes=1e-9)
+    assert Trainer(config).train().progress.update == 1
+
+    class StoodStopped:
+        def __call__(self) -> float:
+            return 0.0
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr("nmtflow.train.trainer.RunningClock", StoodStopped)
+    config = tiny_config(copy_data, tmp_path / "stopped", max_updates=6, valid_bleu=False, max_minutes=1e-9)
+    result = Trainer(config).train()
+    assert result.progress.update == 6 and result.progress.elapsed == 0.0
