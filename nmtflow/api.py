@@ -166,12 +166,17 @@ class Model:
     def score(self, sources: str | Sequence[str], targets: str | Sequence[str], *, src_lang: str | None = None,
               tgt_lang: str | None = None, **decode: Any) -> float | list[float]:
         """log P(target | source) of each pair (natural log, EOS included; the values of ``nmtflow score``): a list,
-        or one float for two ``str``; keywords as for :meth:`translate` (``max_tokens``, ``max_input_tokens``)."""
+        or one float for two ``str``; keywords as for :meth:`translate` (``max_tokens``, ``max_input_tokens``,
+        ``precision``); a search option (``beam_size``, ``greedy``, ...) is a ``TypeError``: nothing is searched."""
         if isinstance(sources, str) != isinstance(targets, str):
             raise TypeError("score: give one source and one target (two str), or two lists of the same length")
         srcs, tgts = _sentences(sources, "score", "sources"), _sentences(targets, "score", "targets")
         if len(srcs) != len(tgts):
             raise ValueError(f"score: {len(srcs)} sources but {len(tgts)} targets")
+        searching = [name for name in decode if name in SEARCH_FIELDS]
+        if searching:  # as `nmtflow score` refuses --beam etc.: they would be silently ignored
+            raise TypeError(f"score: {searching[0]!r} is a search option; score computes log P(target | source) of "
+                            "given targets: nothing is searched")
         translator = self._call_translator("score", src_lang, tgt_lang, decode)
         scores = translator.score(srcs, tgts, where=lambda n, side: f"{side}s[{n}]")
         return scores[0] if isinstance(sources, str) else scores
@@ -180,6 +185,11 @@ class Model:
         direction = f", src_lang={self.src_lang!r}, tgt_lang={self.tgt_lang!r}" if self.src_lang else ""
         paths = self.paths[0] if len(self.paths) == 1 else self.paths
         return f"nmtflow.load({paths!r}, device={str(self.device)!r}{direction})"
+
+
+# DecodeConfig fields that only a search (translate) reads: score refuses them
+SEARCH_FIELDS = frozenset({"beam_size", "nbest", "len_penalty", "max_len_a", "max_len_b", "min_len", "greedy",
+                           "sampling", "temperature", "top_k", "top_p", "seed", "workers"})
 
 
 def _checkpoint_paths(paths: Any) -> list[Any]:

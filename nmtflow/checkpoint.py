@@ -21,6 +21,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
+from nmtflow.config import architecture_changes
 from nmtflow.data.locks import LockHeld, lock_file
 from nmtflow.data.tokenizer import same_model
 from nmtflow.runtime import new_file_mode
@@ -97,7 +98,8 @@ class _RecordingWriter:
 
 def integrity_code(obj: dict[str, Any]) -> dict[str, Any]:
     """The integrity code of checkpoint ``obj``: the SHA-256 of each tensor's dtype, shape and bytes, by its place
-    in ``obj`` (``model/encoder.embed.weight``); ``obj``'s own code, if any, is left out.
+    in ``obj`` (``model/encoder.embed.weight``), and of each top-level entry's other values (``config``, ``langs``,
+    ``progress``, ...: :func:`_settings_digest`); ``obj``'s own code, if any, is left out.
 
     Each tensor is read once, where it lies (a tensor on an accelerator is copied to the host for it), and a tensor
     held under two names (tied embeddings) is hashed once.
@@ -112,7 +114,34 @@ def integrity_code(obj: dict[str, Any]) -> dict[str, Any]:
             if key is not None:
                 seen[key] = digest
         digests[name] = digest if key is None else seen[key]
-    return {"algorithm": "sha256", "tensors": digests}
+    settings = {str(key): _settings_digest(value) for key, value in obj.items() if key != INTEGRITY}
+    return {"algorithm": "sha256", "tensors": digests, "settings": settings}
+
+
+def _settings_digest(value: Any) -> str:
+    """SHA-256 of ``value``'s structure and values other than tensors (whose bytes the tensor digests cover): the
+    config, languages, progress and the like, which a flipped bit would otherwise change unnoticed."""
+    digest = hashlib.sha256()
+
+    def feed(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            digest.update(b"T;")
+        elif isinstance(item, dict):
+            digest.update(b"{")
+            for key, inner in item.items():
+                feed(key)
+                feed(inner)
+            digest.update(b"}")
+        elif isinstance(item, (list, tuple)):
+            digest.update(b"[" if isinstance(item, list) else b"(")
+            for inner in item:
+                feed(inner)
+            digest.update(b"]")
+        else:  # str, int, float, bool, None, dtype: what weights_only loading lets a checkpoint hold
+            digest.update(f"{type(item).__name__}:{item!r};".encode("utf-8", "surrogatepass"))
+
+    feed(value)
+    return digest.hexdigest()
 
 
 def _tensors(obj: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
@@ -136,8 +165,9 @@ def _tensor_digest(tensor: torch.Tensor) -> str:
 
 
 def check_integrity(ckpt: dict[str, Any], path: str | Path) -> None:
-    """A :class:`CheckpointError` naming ``path`` and the first tensor whose bytes differ from the integrity code
-    saved with them; a checkpoint without a code (written before nmtflow stored one) cannot be checked."""
+    """A :class:`CheckpointError` naming ``path`` and the first tensor whose bytes, or top-level entry whose other
+    values (config, languages, progress), differ from the integrity code saved with them; a checkpoint without a
+    code (written before nmtflow stored one) cannot be checked, one without settings digests only by its tensors."""
     saved = ckpt.get(INTEGRITY)
     if saved is None:
         return
@@ -157,6 +187,16 @@ def check_integrity(ckpt: dict[str, Any], path: str | Path) -> None:
     missing = next((name for name in expected if name not in found), None)
     if missing is not None:
         raise CheckpointError(f"{path}: corrupted: the tensor {missing} it was saved with is missing; {advice}")
+    settings = saved.get("settings")  # none in checkpoints written before nmtflow covered them
+    if isinstance(settings, dict):
+        for key, value in ckpt.items():
+            if key != INTEGRITY and settings.get(str(key)) != _settings_digest(value):
+                what = "was not there when it was saved" if str(key) not in settings else \
+                    "differs from what it was saved with (integrity code)"
+                raise CheckpointError(f"{path}: corrupted: its {key!r} entry {what}; {advice}")
+        gone = next((key for key in settings if key not in {str(k) for k in ckpt}), None)
+        if gone is not None:
+            raise CheckpointError(f"{path}: corrupted: its {gone!r} entry it was saved with is missing; {advice}")
 
 
 def new_run_id() -> str:
@@ -369,15 +409,19 @@ def average_checkpoints(paths: list[Path], *, allow_different_runs: bool = False
 
 
 def _check_same_model(first: dict[str, Any], other: dict[str, Any], first_path: Path, path: Path) -> None:
-    """Checkpoints can be averaged only if they hold the same model: parameters, shapes, config and vocabulary."""
+    """Checkpoints can be averaged only if they hold the same model: parameters, shapes, architecture (the model
+    config but its regularisation: a fine-tuned model with another dropout is the same model) and vocabulary."""
     a, b = first["model"], other["model"]
     problem = None
     if a.keys() != b.keys():
         problem = "parameters differ"
     elif (k := next((k for k in a if a[k].shape != b[k].shape), None)) is not None:
         problem = f"{k} has shape {tuple(b[k].shape)}, not {tuple(a[k].shape)}"
-    elif (first.get("config") or {}).get("model") != (other.get("config") or {}).get("model"):
-        problem = "the model config differs"
+    elif changed := architecture_changes((first.get("config") or {}).get("model"),
+                                         (other.get("config") or {}).get("model")):
+        shown = "; ".join(f"{key}: {in_this!r}, not {in_first!r}" for key, in_first, in_this in changed[:3])
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        problem = f"the model differs ({shown}{more})"
     elif first.get("vocab") != other.get("vocab") or first.get("langs") != other.get("langs"):
         problem = "the vocabulary or languages differ"
     else:

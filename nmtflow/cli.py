@@ -135,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from nmtflow.config import load_config
-    from nmtflow.train.trainer import Trainer
+    from nmtflow.train.multilingual import trainer_for
 
     config = load_config(args.config, args.set)
     if args.save_dir:
@@ -144,13 +144,7 @@ def _train(args: argparse.Namespace) -> int:
         config.data.path = args.data
     if args.init_from:
         config.train.init_from = args.init_from
-    trainer_cls = Trainer
-    if config.data.multilingual is not None:  # many directions, one model (SPEC §5)
-        from nmtflow.train.multilingual import MultilingualTrainer
-
-        trainer_cls = MultilingualTrainer
-    trainer = trainer_cls(config, resume=not args.restart)
-    result = trainer.train()
+    result = trainer_for(config, resume=not args.restart).train()
     if int(os.environ.get("RANK", "0")) == 0:  # torchrun: one line, not one per process
         print(f"{result.progress.stopped}; checkpoints in {result.save_dir}")
     return 130 if result.progress.stopped.startswith("interrupted") else 0  # scripts can tell a stop from the end
@@ -161,6 +155,9 @@ def cmd_average(args: argparse.Namespace) -> None:
     from nmtflow.checkpoint import average_checkpoints, is_training_checkpoint_name, periodic_checkpoints, save_atomic
 
     paths = [Path(p) for p in args.checkpoints]
+    missing = next((p for p in paths if not p.exists()), None)
+    if missing is not None:
+        raise ValueError(f"{missing}: no such checkpoint or save dir")
     if args.last is not None and args.last < 1:
         raise ValueError(f"--last: must be >= 1, got {args.last}")
     if len(paths) == 1 and paths[0].is_dir():
@@ -216,14 +213,25 @@ def _same_file(a: str | Path, b: str | Path) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _refuse_overwrite(output: str | None, inputs: dict[str, str | Path | None], what: str) -> None:
+def _refuse_overwrite(output: str | None, inputs: dict[str, str | Path | None], what: str, *,
+                      text: bool = False) -> None:
     """A ValueError when ``-o output`` names one of the ``inputs`` (option → path): writing ``what`` there would
-    replace the file being read."""
+    replace the file being read; with ``text`` (``what`` is lines of text) also when it names any PyTorch file,
+    e.g. another run's checkpoint_last.pt."""
     if output is None:
         return
     for option, path in inputs.items():
         if path is not None and str(path) != "-" and _same_file(output, path):
             raise ValueError(f"-o {output}: is the {option} file; writing the {what} there would replace it "
+                             "(give -o another file)")
+    if text and os.path.isfile(output):
+        try:
+            with open(output, "rb") as handle:
+                magic = handle.read(4)
+        except OSError:  # unreadable: writing it says why
+            return
+        if magic == b"PK\x03\x04":  # what torch.save writes: a checkpoint, not text to replace
+            raise ValueError(f"-o {output}: holds a PyTorch checkpoint; writing the {what} there would destroy it "
                              "(give -o another file)")
 
 
@@ -272,7 +280,9 @@ def cmd_translate(args: argparse.Namespace) -> int | None:
     from nmtflow.decode.translate import check_search, output_file
 
     args.input, args.output = (None if path == "-" else path for path in (args.input, args.output))  # stdin, stdout
-    _refuse_overwrite(args.output, {"-i": args.input, "--prefix": args.prefix}, "translations")
+    _refuse_overwrite(args.output, {"-i": args.input, "--prefix": args.prefix,
+                                    **{f"checkpoint {path}": path for path in args.checkpoint}}, "translations",
+                      text=True)
     translator = _translator(args)
     check_search(translator.decode)  # before any input is read: an interactive session fails at once
     interactive = args.input is None and sys.stdin.isatty()
@@ -358,8 +368,9 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
                          "give one or the other")
     if not (args.hyp or (args.checkpoint and args.src)):
         raise ValueError("evaluate needs --hyp FILE, or a CHECKPOINT with --src FILE")
-    _refuse_overwrite(args.output, {"--src": args.src, **{f"--ref {path}": path for path in args.ref}},
-                      "translations")
+    _refuse_overwrite(args.output, {"--src": args.src, **{f"--ref {path}": path for path in args.ref},
+                                    **{f"checkpoint {path}": path for path in args.checkpoint}}, "translations",
+                      text=True)
     refs = [_read_lines(path) for path in args.ref]
     lines = _read_lines(args.hyp or args.src)
     for path, stream in zip(args.ref, refs):
@@ -410,6 +421,8 @@ def _evaluate_perplexity(args: argparse.Namespace) -> None:
 def cmd_score(args: argparse.Namespace) -> None:
     _refuse(args, SEARCH_OPTIONS, "score computes log P(translation | source) of given translations: nothing is "
             "searched")
+    if args.batch_tokens is not None and args.batch_tokens < 1:  # as translate says it
+        raise ValueError(f"--batch-tokens {args.batch_tokens} (decode.max_tokens): must be >= 1")
     if args.candidates and (args.src or args.tgt):  # else --src/--tgt would be silently ignored
         raise ValueError("--candidates scores its own sources and translations; leave out --src and --tgt "
                          "(or --candidates)")
@@ -441,6 +454,11 @@ def cmd_info(args: argparse.Namespace) -> None:
     from nmtflow.config import load_config
     from nmtflow.models.base import Vocabularies, build_model, count_parameters, parameters_by_module
 
+    from nmtflow.data.vocab import NUM_SPECIAL
+
+    if args.vocab_size <= NUM_SPECIAL:
+        raise ValueError(f"--vocab-size {args.vocab_size}: must be > {NUM_SPECIAL} (the special pieces <pad>, <unk>, "
+                         "<s>, </s>, and at least one more)")
     config = load_config(args.config, args.set)
     model = build_model(config.model, Vocabularies(args.vocab_size, args.vocab_size, joint=True))
     info = {"model": config.model.name, "parameters": count_parameters(model),

@@ -154,7 +154,7 @@ class DataConfig:
     src_lang: str = "en"
     tgt_lang: str = "de"
     train_split: str = "train"
-    valid_split: str = "valid"
+    valid_split: str | None = "valid"  # null: no validation (and no checkpoint_best.pt)
     max_tokens: int = 4096  # padded tokens per batch (source or target, whichever is longer)
     max_sentences: int | None = None
     multilingual: MultilingualConfig | None = None  # many directions at once (src_lang/tgt_lang then unused)
@@ -487,6 +487,28 @@ def to_dict(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v) for k, v in obj.items()}
     return obj
+
+
+# Model settings that are not the architecture (regularisation, the weight of auxiliary losses; at any depth: a
+# language-label model's backbone.dropout too): a fine-tuning run may change them (nmtflow.train.finetune), and
+# checkpoints that differ only in them hold the same model (nmtflow.checkpoint.average_checkpoints)
+NON_ARCHITECTURE_MODEL_KEYS = frozenset({
+    "preset",  # only a name: the values it stands for are compared
+    "dropout", "attention_dropout", "activation_dropout",
+    "penalty", "penalty_scale", "penalty_batch",  # the attention bridge's penalty (a loss term, not a weight)
+})
+
+
+def not_architecture(name: str) -> bool:
+    """Whether the dotted key ``name`` (``model.dropout``, ``model.backbone.dropout``) is a model setting of
+    :data:`NON_ARCHITECTURE_MODEL_KEYS`."""
+    return name != "model" and name.rpartition(".")[2] in NON_ARCHITECTURE_MODEL_KEYS
+
+
+def architecture_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[tuple[str, Any, Any]]:
+    """(dotted key, saved value, current value) of the model settings that differ between two ``model`` config
+    dicts, leaving out :data:`NON_ARCHITECTURE_MODEL_KEYS`; empty when they define the same architecture."""
+    return differing_settings({"model": saved}, {"model": current}, not_architecture)
 
 
 def differing_settings(saved: dict[str, Any], current: dict[str, Any], may_change: typing.Callable[[str], bool],

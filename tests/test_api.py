@@ -151,6 +151,10 @@ def test_score_gives_the_values_of_the_cli(checkpoints: tuple[str, str], tmp_pat
     long = " ".join(["alpha"] * 1100)  # more pieces than the target positions: named by its index
     with pytest.raises(ValueError, match=r"^targets\[1\] has \d+ tokens"):
         model.score(LINES[:2], [targets[0], long])
+    for option in ({"beam_size": 3}, {"greedy": True}, {"len_penalty": 2.0}, {"sampling": True, "seed": 1}):
+        with pytest.raises(TypeError, match=f"score: '{next(iter(option))}' is a search option"):
+            model.score(LINES, targets, **option)  # as `nmtflow score --beam 3` is refused: it would be ignored
+    assert model.score(LINES, targets, max_tokens=50) == pytest.approx(scores, abs=1e-5)  # batching: allowed
 
 
 # ---- options, ensembles, devices -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -216,6 +217,10 @@ def test_a_sentence_longer_than_the_model_stops_training_before_it_starts(tmp_pa
     (["prepare", "--train", "corpus/train", "--valid", "v", "--langs", "en", "de", "--out", "OUT", "--split",
       "valid=x"], "the valid split is already given"),
     (["info", str(REPO / "configs" / "transformer-small.yaml"), "--set", "data.max_tokens=0"], "max_tokens"),
+    (["info", "transformer-small", "--vocab-size", "0"], "--vocab-size 0: must be > 4"),  # before: IndexError
+    (["score", "missing.pt", "--src", "s", "--tgt", "t", "--batch-tokens", "0"],
+     "--batch-tokens 0 (decode.max_tokens): must be >= 1"),  # before: accepted (translate refused it)
+    (["info", "transformer-small", "--vocab-size", "-3"], "--vocab-size -3: must be > 4"),  # before: RuntimeError
     # the cleaning and worker flags are named as the user typed them (not CleanConfig's fields)
     (["prepare", "--train", "corpus/train", "--langs", "en", "de", "--out", "OUT", "--max-len", "0"],
      "--max-len must be >= 1, got 0"),
@@ -264,6 +269,36 @@ def test_a_bit_flipped_checkpoint_is_refused(run_dir: Path, tmp_path: Path, caps
     older = {k: v for k, v in ckpt.items() if k not in ("integrity", "run_id")}  # written before codes and run ids
     torch.save(older, tmp_path / "older.pt")
     assert main(["translate", str(tmp_path / "older.pt"), "-i", source_file(tmp_path), "--device", "cpu"]) == 0
+    tensors_only = {**ckpt, "integrity": {k: v for k, v in ckpt["integrity"].items() if k != "settings"}}
+    tensors_only["config"]["decode"]["max_len_b"] += 64  # codes before they covered the config: tensors checked only
+    torch.save(tensors_only, tmp_path / "tensors_only.pt")
+    assert main(["translate", str(tmp_path / "tensors_only.pt"), "-i", source_file(tmp_path), "--device", "cpu"]) == 0
+
+
+@pytest.mark.parametrize("edit", ["flip", "added", "removed"])
+def test_a_checkpoint_whose_config_changed_after_it_was_written_is_refused(
+        edit: str, run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: the integrity code covered the tensors only, so one flipped bit in the pickled config (decode.max_len_b
+    10 → 74, or relu → gelu) loaded and translated with another model, exit 0."""
+    path = tmp_path / "edited.pt"
+    if edit == "flip":
+        data = bytearray((run_dir / "checkpoint_last.pt").read_bytes())
+        at = data.find(b"K\n", data.find(b"max_len_b"))  # the pickled int 10 that follows the key
+        assert at > 0
+        data[at + 1] ^= 0x40
+        path.write_bytes(bytes(data))
+        said = "its 'config' entry differs from what it was saved with (integrity code)"
+    else:  # an edit written with torch.save, not nmtflow (which seals a new code)
+        ckpt = load_checkpoint(run_dir / "checkpoint_last.pt")
+        if edit == "added":
+            ckpt["multilingual"] = True
+            said = "its 'multilingual' entry was not there when it was saved"
+        else:
+            del ckpt["progress"]
+            said = "entry it was saved with is missing"
+        torch.save(ckpt, path)
+    err = one_line_error(["translate", str(path), "-i", source_file(tmp_path), "--device", "cpu"], str(path), capsys)
+    assert f"{path}: corrupted: " in err and said in err
 
 
 def test_a_corrupt_sentencepiece_model_inside_a_checkpoint_names_the_checkpoint(
@@ -380,6 +415,16 @@ def test_an_output_file_that_is_an_input_is_refused(run_dir: Path, tmp_path: Pat
                          (["evaluate", ckpt, "--src", str(src), "--ref", str(ref), "-o", str(ref)], "--ref")):
         assert f"is the {option}" in one_line_error(args, "would replace it", capsys)
     assert src.read_text(encoding="utf-8") == ref.read_text(encoding="utf-8") == "a b c\n"
+    other = tmp_path / "other.pt"  # before: the checkpoint itself, or another run's, became 6 bytes of text, exit 0
+    shutil.copyfile(ckpt, other)
+    before = other.read_bytes()
+    for args, said in ((["translate", ckpt, "-i", str(src), "-o", ckpt], f"is the checkpoint {ckpt} file"),
+                       (["evaluate", ckpt, "--src", str(src), "--ref", str(ref), "-o", ckpt], "is the checkpoint"),
+                       (["translate", ckpt, "-i", str(src), "-o", str(other)], "holds a PyTorch checkpoint"),
+                       (["evaluate", ckpt, "--src", str(src), "--ref", str(ref), "-o", str(other)],
+                        "holds a PyTorch checkpoint")):
+        assert said in one_line_error(args, "-o ", capsys)
+    assert other.read_bytes() == before and load_checkpoint(ckpt)["model"]
 
 
 def test_negative_length_limits_and_non_finite_length_penalties_are_refused(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

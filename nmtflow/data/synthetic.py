@@ -10,11 +10,12 @@ subject-verb agreement).  Pure Python ``random.Random``: the same seed gives the
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 log = logging.getLogger("nmtflow.corpus")
 
@@ -748,6 +749,22 @@ def generate_sentences(n: int, seed: int, langs: Sequence[str] = DEFAULT_LANGS) 
 _DRAW_ORDER = ("test", "valid", "train")
 
 
+CORPUS_MARKER = "corpus.json"  # what generate_corpus writes beside its files: the directory is one it may rewrite
+
+
+def claim_corpus_dir(out: Path, splits: Iterable[str]) -> None:
+    """A ValueError, before anything is written, where ``out`` holds ``SPLIT.LANG`` files that
+    :func:`generate_corpus` would replace or delete but did not write (no :data:`CORPUS_MARKER`): the user's own."""
+    if not out.is_dir() or (out / CORPUS_MARKER).is_file():
+        return
+    theirs = [f"{split}.{lang}" for split in splits for lang in SUPPORTED_LANGS if (out / f"{split}.{lang}").exists()]
+    if theirs:
+        shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
+        raise ValueError(f"{out}: holds {shown}, which nmtflow corpus did not write (no {CORPUS_MARKER}); writing "
+                         "the built-in corpus there would replace or delete them: give a new directory (nothing was "
+                         "changed)")
+
+
 def generate_corpus(out_dir: str | Path, langs: Sequence[str] = DEFAULT_LANGS, n_train: int = 20000,
                     n_valid: int = 500, n_test: int = 500, seed: int = 1234) -> dict[str, int]:
     """Writes out_dir/{train,valid,test}.{lang} (UTF-8, one sentence per line, LF); returns line counts per split.
@@ -764,6 +781,8 @@ def generate_corpus(out_dir: str | Path, langs: Sequence[str] = DEFAULT_LANGS, n
     for split, n in sizes.items():
         if n < (1 if split == "train" else 0):
             raise ValueError(f"--{split}: the number of {split} sentences must be >= {int(split == 'train')}, got {n}")
+    out = Path(out_dir)
+    claim_corpus_dir(out, sizes)
     total, rows, seen = sum(sizes.values()), [], [set() for _ in SUPPORTED_LANGS]
     for tries, t in enumerate(_iter_tuples(seed)):
         if len(rows) == total:
@@ -776,8 +795,9 @@ def generate_corpus(out_dir: str | Path, langs: Sequence[str] = DEFAULT_LANGS, n
         for i, s in enumerate(t):
             seen[i].add(s)
         rows.append(t)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / CORPUS_MARKER).write_text(json.dumps({"written_by": "nmtflow corpus", "langs": list(langs), "seed": seed,
+                                                 **sizes}) + "\n", encoding="utf-8")  # first: a rerun may replace
     # another language's files of an earlier corpus in out_dir are not aligned with this one: removed, not left to
     # be prepared with it by mistake
     stale = [out / f"{split}.{lang}" for split in sizes for lang in SUPPORTED_LANGS

@@ -68,14 +68,9 @@ def train_tokens_per_s(save_dir: str | Path) -> float | None:
 
 def train(config: Any) -> Any:
     """Train ``config`` (resuming from ``checkpoint_last.pt``) with the trainer ``nmtflow train`` would pick."""
-    from nmtflow.train.trainer import Trainer
+    from nmtflow.train.multilingual import trainer_for
 
-    trainer_cls = Trainer
-    if config.data.multilingual is not None:
-        from nmtflow.train.multilingual import MultilingualTrainer
-
-        trainer_cls = MultilingualTrainer
-    return trainer_cls(config).train()
+    return trainer_for(config).train()
 
 
 def beyond_budget(progress: dict[str, Any], budget: dict[str, Any]) -> str | None:

@@ -23,24 +23,19 @@ from typing import Any
 import torch
 
 from nmtflow.checkpoint import file_sha256
-from nmtflow.config import Config, ConfigError, differing_settings, to_dict
+from nmtflow.config import (NON_ARCHITECTURE_MODEL_KEYS, Config, ConfigError, differing_settings, not_architecture,
+                            to_dict)
 from nmtflow.data.tokenizer import Tokenizer, same_model
 
 log = logging.getLogger("nmtflow.train")
 
 #: model settings (the last part of a dotted key, at any depth of ``model``) that fine-tuning may change
-FINE_TUNABLE_MODEL_KEYS = frozenset({
-    "preset",  # only a name: the values it stands for are compared
-    "dropout", "attention_dropout", "activation_dropout",
-    "penalty", "penalty_scale", "penalty_batch",  # the attention bridge's penalty (a loss term, not a weight)
-})
+FINE_TUNABLE_MODEL_KEYS = NON_ARCHITECTURE_MODEL_KEYS
 
 
 def may_change(name: str) -> bool:
     """Whether a fine-tuning run may set the dotted config key ``name`` otherwise than its checkpoint's run."""
-    if name.partition(".")[0] != "model":
-        return True
-    return name != "model" and name.rpartition(".")[2] in FINE_TUNABLE_MODEL_KEYS
+    return name.partition(".")[0] != "model" or not_architecture(name)
 
 
 def origin(ckpt: dict[str, Any], path: str | Path) -> dict[str, Any]:
@@ -92,11 +87,22 @@ def check_tokenizers(ckpt: dict[str, Any], path: str | Path, data_path: str, tok
     """A one-line :class:`ConfigError` when the data's tokenizers (by the checkpoint's keys: ``src``/``tgt``, or
     languages) are not the checkpoint's: the token ids would mean other pieces."""
     saved = ckpt.get("tokenizers") or {}
+
+    def same(key: str, tok: Tokenizer) -> bool:
+        return same_model(saved[key].cpu().numpy().tobytes(), tok.model_proto)
+
+    if {"src", "tgt"} <= saved.keys() and tokenizers.keys() == {"src", "tgt"} \
+            and not same("src", tokenizers["src"]) and same("src", tokenizers["tgt"]) \
+            and same("tgt", tokenizers["src"]):
+        raise ConfigError(f"{data_path}: its source and target vocabularies are {path}'s swapped: this data runs "
+                          "the other way than the checkpoint, whose encoder and decoder each know one language "
+                          "(separate vocabularies); fine-tune it in its own direction (data.src_lang, "
+                          "data.tgt_lang as trained), or train the reverse direction from scratch")
     for key, tok in tokenizers.items():
         if key not in saved:
             raise ConfigError(f"{path}: has no {key} model; fine-tuning trains the checkpoint's languages (adding one "
                               "is data.multilingual.new_langs with init_checkpoint)")
-        if not same_model(saved[key].cpu().numpy().tobytes(), tok.model_proto):
+        if not same(key, tok):
             raise ConfigError(f"{data_path}: prepared with another vocabulary than {path} (its {key} SentencePiece "
                               f"model differs); prepare the data to fine-tune on with nmtflow prepare --tokenizer-from "
                               f"{path}")

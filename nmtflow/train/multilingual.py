@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from nmtflow.checkpoint import load_checkpoint, model_mismatch
-from nmtflow.config import ConfigError, to_dict
+from nmtflow.config import Config, ConfigError, to_dict
 from nmtflow.data.batching import Batch, TokenBatchSampler
 from nmtflow.data.bitext import check_sentence_lengths, tokenizer_path
 from nmtflow.data.multilingual import (Direction, LanguageRotatingSampler, MultiBitext, open_directions,
@@ -45,7 +45,7 @@ from nmtflow.models.multilingual import LanguageVocabularies, MultilingualModel
 from nmtflow.registry import MODELS
 from nmtflow.train import distributed
 from nmtflow.train.loss import label_smoothed_nll
-from nmtflow.train.trainer import Trainer
+from nmtflow.train.trainer import Trainer, check_valid_split
 
 log = logging.getLogger("nmtflow.train")
 
@@ -70,6 +70,12 @@ def tokenizer_tensors(tokenizers: dict[str, Tokenizer]) -> dict[str, torch.Tenso
         if tok.model_proto not in by_model:
             by_model[tok.model_proto] = bytes_tensor(tok.model_proto)
     return {lang: by_model[tok.model_proto] for lang, tok in tokenizers.items()}
+
+
+def trainer_for(config: Config, *, resume: bool = True) -> Trainer:
+    """The trainer ``nmtflow train`` runs ``config`` with: :class:`MultilingualTrainer` where ``data.multilingual``
+    is set (many directions, one model; SPEC §5), else :class:`~nmtflow.train.trainer.Trainer`."""
+    return (Trainer if config.data.multilingual is None else MultilingualTrainer)(config, resume=resume)
 
 
 class MultilingualTrainer(Trainer):
@@ -137,6 +143,7 @@ class MultilingualTrainer(Trainer):
         self.train_data = open_directions(dc.path, dc.train_split, self.directions, self.prefixes, mc.max_sentences)
         # copy directions are validated only when there is nothing else to select the model on
         valid = ([d for d in self.directions if not d.is_copy] or list(self.directions)) + self.zero_shot
+        check_valid_split(dc.path, dc.valid_split, meta)
         self.valid_data = open_directions(dc.path, dc.valid_split, valid, self.prefixes) \
             if dc.valid_split and valid else None
         samplers = [TokenBatchSampler(*self.train_data.sizes(i), dc.max_tokens, shuffle=True, seed=tc.seed + 1000 * i,

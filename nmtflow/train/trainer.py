@@ -45,6 +45,15 @@ from nmtflow.train.optim import build_optimizer, build_scheduler
 log = logging.getLogger("nmtflow.train")
 
 
+def check_valid_split(data_dir: str | Path, split: str | None, meta: dict[str, Any]) -> None:
+    """A :class:`ConfigError` where ``data.valid_split`` names a split ``data_dir`` does not hold, with the two ways
+    out (``train.validate_every: 0`` still validates at the end of the run, so it does not need one less)."""
+    if split and split not in meta["splits"]:
+        raise ConfigError(f"data.valid_split: {split!r} is not prepared in {data_dir} (splits: "
+                          f"{', '.join(meta['splits'])}); prepare it (nmtflow prepare --valid PREFIX), or set "
+                          "data.valid_split: null to train without validating")
+
+
 def resolve_device(name: str) -> torch.device:
     """``auto`` → cuda if there is one, else cpu; a device this machine lacks is a one-line ValueError."""
     return distributed.check_device(name)
@@ -183,12 +192,18 @@ class Trainer:
             write_text_atomic(self.save_dir / "config.yaml", yaml_dump(to_dict(config)), "the run's config")
 
     def check_model_fits_trainer(self) -> None:
-        """A :class:`ConfigError` for a model that cannot learn what this trainer gives it: the language-label model
-        trained on one direction without ``data.multilingual`` would be its backbone, no tag in any source."""
+        """A :class:`ConfigError` for a config this trainer cannot train as written: ``data.multilingual`` (many
+        directions: :class:`~nmtflow.train.multilingual.MultilingualTrainer`), or the language-label model, which
+        trained on one direction would be its backbone, no tag in any source."""
         from nmtflow.registry import MODELS
 
         name = self.config.model.name
-        if self.config.data.multilingual is None and getattr(MODELS.get(name).cls, "uses_language_tags", False):
+        if self.config.data.multilingual is not None:  # MultilingualTrainer overrides this check
+            raise ConfigError("data.multilingual: set, but this trainer trains one direction (data.src_lang → "
+                              "data.tgt_lang) and would ignore it; train with "
+                              "nmtflow.train.multilingual.MultilingualTrainer, or nmtflow.train.multilingual."
+                              "trainer_for(config), which picks the trainer as nmtflow train does")
+        if getattr(MODELS.get(name).cls, "uses_language_tags", False):
             raise ConfigError(f"model.name: {name!r} is a multilingual model: every source starts with its target "
                               "language's tag, so it trains on the directions of data.multilingual (a prepared "
                               "directory with --lang-tags); for one direction without tags, train its backbone")
@@ -272,6 +287,7 @@ class Trainer:
         self.vocabs = Vocabularies(self.src_tok.vocab_size, self.tgt_tok.vocab_size,
                                    joint=self.src_tok.path == self.tgt_tok.path)
         self.train_data = open_bitext(dc.path, dc.train_split, dc.src_lang, dc.tgt_lang)
+        check_valid_split(dc.path, dc.valid_split, meta)
         self.valid_data = open_bitext(dc.path, dc.valid_split, dc.src_lang, dc.tgt_lang) if dc.valid_split else None
         self.sampler = TokenBatchSampler(self.train_data.src.sizes, self.train_data.tgt.sizes, dc.max_tokens,
                                          shuffle=True, seed=tc.seed, max_sentences=dc.max_sentences,

@@ -9,6 +9,7 @@ import torch
 
 from nmtflow.analysis.probes import ProbeConfig, train_and_score
 from nmtflow.analysis.report import layer_table
+from nmtflow.checkpoint import save_atomic
 from nmtflow.cli import main
 from nmtflow.nn.shortcuts import ShortcutOptions
 from nmtflow.train.trainer import Trainer
@@ -141,7 +142,7 @@ def test_a_multilingual_checkpoint_is_a_clear_error(kind: str, checkpoints: list
                                                     tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = torch.load(checkpoints[0], weights_only=True)
     ckpt["multilingual"], ckpt["langs"] = True, {"directions": ["src-tgt"], "zero_shot": []}
-    torch.save(ckpt, tmp_path / "multi.pt")
+    save_atomic(ckpt, tmp_path / "multi.pt")  # an edit sealed with a new integrity code
     err = analyze_error(capsys, kind, str(tmp_path / "multi.pt"), "--data", str(copy_data), "--out", str(tmp_path))
     assert "multi.pt: a multilingual checkpoint; these analyses support bilingual checkpoints only" in err
     assert "--src-lang" not in err

@@ -8,6 +8,7 @@ import pytest
 
 import torch
 
+from nmtflow.cli import main
 from nmtflow.data.batching import ParallelBatches, TokenBatchSampler, collate, gather_rows
 from nmtflow.data.binarize import IndexedDataset, write_indexed
 from nmtflow.data.bitext import Bitext
@@ -104,7 +105,25 @@ def test_a_corpus_written_over_another_removes_the_other_languages_files(tmp_pat
     (tmp_path / "notes.txt").write_text("mine\n", encoding="utf-8")
     generate_corpus(tmp_path, langs=("en", "de"), n_train=20, n_valid=4, n_test=4, seed=2)
     written = [f"{split}.{lang}" for split in ("train", "valid", "test") for lang in ("en", "de")]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["notes.txt", *written])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["notes.txt", "corpus.json", *written])
+
+
+def test_a_corpus_is_not_written_over_files_it_did_not_write(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `nmtflow corpus mydata` replaced the user's own train.en/train.de with synthetic text and deleted their
+    train.fr (an INFO line), leaving their train.cs paired with synthetic English."""
+    mine = {f"{split}.{lang}": f"my own {split} {lang}\n" for split in ("train", "valid", "test")
+            for lang in ("en", "de", "fr", "cs")}
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    assert main(["corpus", str(tmp_path), "--langs", "en", "de", "--train", "5", "--valid", "1", "--test", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path}: holds train.en, train.de, train.fr, valid.en and 5 more, which nmtflow corpus did not " \
+           "write" in err and "nothing was changed" in err
+    assert {p.name: p.read_text(encoding="utf-8") for p in tmp_path.iterdir()} == mine
+    assert main(["corpus", str(tmp_path / "new"), "--train", "5", "--valid", "1", "--test", "1"]) == 0
+    assert main(["corpus", str(tmp_path / "new"), "--train", "6", "--valid", "1", "--test", "1"]) == 0  # its own
+    assert len(_lines(tmp_path / "new" / "train.en")) == 6
 
 
 # ------------------------------------------------------------------------------------------ TSV reading

@@ -1,6 +1,7 @@
 """The built-in synthetic corpus: determinism, file format, split hygiene, and the linguistic phenomena."""
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import time
@@ -63,7 +64,9 @@ def test_corpus_files_counts_and_format(corpus: tuple[Path, dict[str, int]]) -> 
     out, counts = corpus
     assert counts == {"train": 1000, "valid": 150, "test": 150}
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        f"{split}.{lang}" for split in counts for lang in syn.DEFAULT_LANGS)
+        [syn.CORPUS_MARKER, *(f"{split}.{lang}" for split in counts for lang in syn.DEFAULT_LANGS)])
+    assert json.loads((out / syn.CORPUS_MARKER).read_text(encoding="utf-8")) == {
+        "written_by": "nmtflow corpus", "langs": list(syn.DEFAULT_LANGS), "seed": 11, **counts}
     for split, count in counts.items():
         for lang in syn.DEFAULT_LANGS:
             lines = read_lines(out / f"{split}.{lang}")
@@ -84,8 +87,8 @@ def test_splits_do_not_overlap(corpus: tuple[Path, dict[str, int]]) -> None:
 def test_corpus_is_reproducible_and_subset_langs(tmp_path: Path, corpus: tuple[Path, dict[str, int]]) -> None:
     out, _ = corpus
     generate_corpus(tmp_path, langs=["de", "en"], n_train=1000, n_valid=150, n_test=150, seed=11)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{s}.{l}" for s in ("train", "valid", "test")
-                                                                for l in ("de", "en"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([syn.CORPUS_MARKER, *(
+        f"{s}.{l}" for s in ("train", "valid", "test") for l in ("de", "en"))])
     for name in ("train.en", "test.de"):
         assert (tmp_path / name).read_bytes() == (out / name).read_bytes()
 

@@ -133,6 +133,27 @@ def test_data_of_another_vocabulary_is_refused(base: Path, reversal: Path, tmp_p
         Trainer(finetune_config(tmp_path / "own", tmp_path / "ft", base))
 
 
+def test_a_separate_vocabulary_model_fed_its_reverse_direction_is_told_so(tmp_path: Path) -> None:
+    """Data of the reverse direction of a separate-vocabulary model holds the checkpoint's two SentencePiece models
+    swapped: the refusal says that (not "prepare with --tokenizer-from", which the user has done)."""
+    from nmtflow.data.tokenizer import Tokenizer
+    from nmtflow.decode.translate import bytes_tensor
+    from nmtflow.train.finetune import check_tokenizers
+
+    write_split(tmp_path / "raw" / "train", copy_sentences(400, 3), [s.upper() for s in copy_sentences(400, 3)])
+    meta = prepare({"train": str(tmp_path / "raw" / "train")}, ["src", "tgt"], tmp_path / "sep", vocab_size=40,
+                   joint=False, progress=False, byte_fallback=False)
+    toks = {lang: Tokenizer(tmp_path / "sep" / meta["tokenizers"][lang]) for lang in ("src", "tgt")}
+    assert not same_model(toks["src"].model_proto, toks["tgt"].model_proto)
+    ckpt = {"tokenizers": {side: bytes_tensor(tok.model_proto) for side, tok in toks.items()}}
+    check_tokenizers(ckpt, "m.pt", "data", toks)  # its own direction: fine
+    with pytest.raises(ConfigError, match=r"^rev: its source and target vocabularies are m\.pt's swapped: this data "
+                                          r"runs the other way than the checkpoint"):
+        check_tokenizers(ckpt, "m.pt", "rev", {"src": toks["tgt"], "tgt": toks["src"]})
+    with pytest.raises(ConfigError, match=r"prepared with another vocabulary than m\.pt \(its tgt"):
+        check_tokenizers(ckpt, "m.pt", "other", {"src": toks["src"], "tgt": toks["src"]})
+
+
 def test_prepare_tokenizer_from_gives_the_checkpoints_token_ids(copy_data: Path, base: Path, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     raw = copy_data.parent / "raw"

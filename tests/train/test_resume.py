@@ -173,8 +173,15 @@ def test_only_checkpoints_of_one_model_are_averaged(copy_data: Path, tmp_path: P
         config.model.heads = heads
         train_in_process(config)
     a, b = (str(tmp_path / n / "checkpoint_last.pt") for n in "ab")
-    with pytest.raises(CheckpointError, match="the model config differs"):
+    with pytest.raises(CheckpointError, match=r"b/checkpoint_last\.pt: the model differs \(model\.heads: 2, not 4\) "
+                                              r"from .*a/checkpoint_last\.pt"):
         average_checkpoints([Path(a), Path(b)])
+    tuned = load_checkpoint(a)  # as a fine-tuning run that raised the dropout: the same model, averaged
+    tuned["config"]["model"]["dropout"] = 0.3
+    save_atomic(tuned, tmp_path / "tuned.pt")
+    assert average_checkpoints([Path(a), tmp_path / "tuned.pt"])["config"]["model"]["dropout"] == 0.3
+    assert main(["average", str(tmp_path / "nowhere"), "--last", "2", "-o", str(tmp_path / "avg.pt")]) == 2
+    assert f"{tmp_path / 'nowhere'}: no such checkpoint or save dir" in capsys.readouterr().err
     wide = load_checkpoint(a)
     wide["model"] = {k: torch.cat([v, v]) if v.dim() else v for k, v in wide["model"].items()}
     save_atomic(wide, tmp_path / "wide.pt")

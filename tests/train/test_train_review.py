@@ -281,6 +281,43 @@ def test_the_language_label_model_without_multilingual_data_is_refused(copy_data
     assert not (tmp_path / "run").exists()
 
 
+def test_the_one_direction_trainer_refuses_multilingual_data_and_trainer_for_picks(
+        copy_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Trainer`` on a config with ``data.multilingual`` would train data.src_lang → data.tgt_lang only, silently:
+    refused, naming the trainer to use; ``trainer_for`` picks that one (as ``nmtflow train`` does)."""
+    import nmtflow.train.multilingual as multilingual
+    from nmtflow.train.multilingual import trainer_for
+    from nmtflow.train.trainer import Trainer
+
+    config = load_config("bridge-k10", [f"data.path={copy_data}", f"train.save_dir={tmp_path / 'run'}",
+                                        "data.multilingual.pairs=[src-tgt]"])
+    with pytest.raises(ConfigError, match=r"data\.multilingual: set, but this trainer trains one direction.*"
+                                          r"MultilingualTrainer"):
+        Trainer(config)
+    assert not (tmp_path / "run").exists()
+    built: list[tuple[object, bool]] = []
+    monkeypatch.setattr(multilingual.MultilingualTrainer, "__init__",
+                        lambda self, cfg, *, resume=True: built.append((cfg, resume)))
+    assert isinstance(trainer_for(config, resume=False), multilingual.MultilingualTrainer)
+    assert built == [(config, False)]
+
+
+def test_a_missing_validation_split_says_how_to_train_without_one(copy_data: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """validate_every: 0 still validates once at the end, so a split that is not there is refused, naming
+    data.valid_split and its two ways out; with valid_split: null the run trains and writes no checkpoint_best."""
+    base = ["train", "transformer-small", "--data", str(copy_data), "--set", "model.d_model=16",
+            "--set", "model.ffn_dim=32", "--set", "model.heads=2", "--set", "model.encoder_layers=1",
+            "--set", "model.decoder_layers=1", "--set", "train.max_updates=2", "--set", "train.validate_every=0",
+            "--set", "train.progress=false", "--set", "data.src_lang=src", "--set", "data.tgt_lang=tgt"]
+    err = one_line_error([*base, "--save-dir", str(tmp_path / "a"), "--set", "data.valid_split=dev"], capsys)
+    assert "error: data.valid_split: 'dev' is not prepared in" in err and "data.valid_split: null" in err
+    assert not list((tmp_path / "a").glob("checkpoint*"))
+    assert main([*base, "--save-dir", str(tmp_path / "b"), "--set", "data.valid_split=null"]) == 0
+    assert (tmp_path / "b" / "checkpoint_last.pt").is_file() and not (tmp_path / "b" / "checkpoint_best.pt").exists()
+    assert not [e for e in read_log(tmp_path / "b") if e["kind"] == "valid"]
+
+
 # ---- second review: crash safety of the log, multilingual resume, schedules, DDP ----------------------------
 TRIM_WITH_A_FULL_DISK = """
 import resource, signal, sys
