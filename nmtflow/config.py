@@ -560,6 +560,7 @@ def _record_origins(data: dict[str, Any], source: str, origins: dict[tuple[str, 
 
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"  # the shipped presets (a source checkout's configs/)
+CONFIG_IN_DIR = "config.yaml"  # what a training run writes into its save dir (the config it ran)
 
 
 def preset_path(name: str) -> Path | None:
@@ -586,6 +587,9 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = (),
     if not path.is_file():
         preset = preset_path(str(path))
         if preset is None:
+            if path.is_dir():  # e.g. a save dir: its config is SAVE_DIR/config.yaml
+                raise ConfigError(f"{path}: a directory, not a config file"
+                                  + (f" (its {CONFIG_IN_DIR} is one)" if (path / CONFIG_IN_DIR).is_file() else ""))
             hint = f" (nor a preset of {PRESETS_DIR.name}/, e.g. transformer-small)" if PRESETS_DIR.is_dir() else ""
             raise ConfigError(f"{path}: config file not found{hint}")
         path = preset

@@ -158,6 +158,13 @@ def test_an_empty_config_or_a_missing_base_names_the_file_that_says_so(tmp_path)
                                   f"relative base is read from the directory of child.yaml ({tmp_path / 'nothere.yaml'})")
     with pytest.raises(ConfigError, match=rf"^{child}: base: {tmp_path}: a directory, not a config file$"):
         load_config(write(tmp_path, "child.yaml", f"base: {tmp_path}\n"))
+    run = tmp_path / "run"  # before: "config file not found" for a directory given as the config itself
+    run.mkdir()
+    with pytest.raises(ConfigError, match=rf"^{run}: a directory, not a config file$"):
+        load_config(run)
+    write(run, "config.yaml", "{}\n")
+    with pytest.raises(ConfigError, match=rf"^{run}: a directory, not a config file \(its config\.yaml is one\)$"):
+        load_config(run)
 
 
 @pytest.mark.parametrize("override, message", [

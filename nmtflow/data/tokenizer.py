@@ -177,6 +177,8 @@ class Tokenizer:
         if vocab_size < 4 + len(user_symbols):
             raise ValueError(f"vocabulary size {vocab_size} is too small: the minimum is {4 + len(user_symbols)} "
                              f"(4 special pieces, {len(user_symbols)} user symbols) before any piece of the text")
+        if vocab_size > 2**31 - 1:  # SentencePiece reads it as a 32-bit int ("cannot parse ... as int")
+            raise ValueError(f"vocabulary size {vocab_size} is too large: SentencePiece takes at most {2**31 - 1:,}")
         for s in user_symbols:
             if not s or any(c.isspace() for c in s):
                 raise ValueError(f"invalid user symbol {s!r}")

@@ -108,6 +108,9 @@ def test_the_smallest_vocabulary_works_and_one_less_names_it(text: Path, tmp_pat
     assert tok.decode(tok.encode("Zoë alpha")) == ("Zoë alpha" if byte_fallback else " ⁇ o ⁇  alpha")
     with pytest.raises(ValueError, match=f"vocabulary size {smallest - 1} is too small: the minimum is {smallest} "):
         Tokenizer.train([text], tmp_path / "small", smallest - 1, byte_fallback=byte_fallback)
+    with pytest.raises(ValueError, match=r"vocabulary size 99999999999 is too large: SentencePiece takes at most "
+                                         r"2,147,483,647"):  # before: SentencePiece's "cannot parse ... as int"
+        Tokenizer.train([text], tmp_path / "huge", 99_999_999_999, byte_fallback=byte_fallback)
     if byte_fallback:  # a vocabulary that is enough without the bytes: the error names that way out
         with pytest.raises(ValueError) as info:
             Tokenizer.train([text], tmp_path / "small", 100)
