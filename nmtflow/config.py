@@ -288,6 +288,9 @@ class TrainConfig:
             raise ConfigError(f"{where}.device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
 
 
+MAX_LEN_PENALTY = 20.0  # |decode.len_penalty| beyond it: ((5 + |y|) / 6) ** α leaves float range for long outputs
+
+
 @dataclass
 class DecodeConfig:
     """Search settings shared by `translate`, validation BLEU and `quickstart`."""
@@ -316,6 +319,9 @@ class DecodeConfig:
         terms (:meth:`validate`) or the command line's (``nmtflow.decode.translate.check_search``)."""
         if not math.isfinite(self.len_penalty):
             yield "len_penalty", f"must be a finite number, got {self.len_penalty}"
+        elif abs(self.len_penalty) > MAX_LEN_PENALTY:  # ((5 + |y|) / 6) ** α overflows (or reaches 0) past it
+            yield "len_penalty", (f"must be between -{MAX_LEN_PENALTY:g} and {MAX_LEN_PENALTY:g} (GNMT's α; 0: "
+                                  f"none, usually 0.6-2), got {self.len_penalty}")
         if not (math.isfinite(self.max_len_a) and self.max_len_a >= 0):
             yield "max_len_a", f"must be >= 0 (and finite), got {self.max_len_a}"
         for name in ("max_len_b", "min_len"):

@@ -439,6 +439,10 @@ def test_negative_length_limits_and_non_finite_length_penalties_are_refused(run_
         for command in (["translate", ckpt, "-i", str(src)], ["evaluate", ckpt, "--src", str(src), "--ref", str(src)]):
             assert f"--lenpen (decode.len_penalty): must be a finite number, got {float(value)}" in one_line_error(
                 [*command, f"--lenpen={value}"], "len_penalty", capsys)
+    for value in ("1000", "-21"):  # before: 1000 was an OverflowError traceback (and HTTP 500 from the server)
+        assert f"--lenpen (decode.len_penalty): must be between -20 and 20 (GNMT's α; 0: none, usually 0.6-2), got " \
+               f"{float(value)}" in one_line_error(["translate", ckpt, "-i", str(src), f"--lenpen={value}"],
+                                                   "len_penalty", capsys)
 
 
 FULL_DISK_CASES = ["translate_to_a_device", "translate_to_a_file", "checkpoint", "training_log", "analysis_results"]

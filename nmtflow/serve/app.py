@@ -359,6 +359,7 @@ def create_app(models: dict[str, Model], *, max_sentences: int = 32, max_chars: 
         check_sentences("targets", req.targets)
         translator = dataclasses.replace(s.translator(req.src_lang, req.tgt_lang),
                                          decode=dataclasses.replace(s.model.decode, max_tokens=max_batch_tokens))
+        check_positions(translator, req.sources, "sources")
         pairs = list(zip(req.sources, req.targets))
 
         def run(items: list[tuple[str, str]]) -> list[tuple[float, list[float]]]:
@@ -380,6 +381,7 @@ def create_app(models: dict[str, Model], *, max_sentences: int = 32, max_chars: 
         if req.beam_size is not None:
             translator = dataclasses.replace(translator, decode=dataclasses.replace(translator.decode,
                                                                                     beam_size=req.beam_size))
+        check_positions(translator, [req.sentence], "sentence", one=True)
 
         def run(items: list[FlowRequest]) -> list[dict[str, Any]]:
             return [sentence_flow(translator, r.sentence, r.target) for r in items]
@@ -446,12 +448,15 @@ class JsonBodies:
         await self.app(scope, replay, send)
 
 
-def check_positions(translator: Translator, sentences: list[str]) -> None:
-    """A 413 naming the first sentence longer than the model reads (the CLI would truncate it with a warning)."""
+def check_positions(translator: Translator, sentences: list[str], field: str = "sentences", *,
+                    one: bool = False) -> None:
+    """A 413 naming the first source sentence longer than the model reads, which it would otherwise answer about
+    cut short (the CLI truncates it with a warning; a client would get no sign); ``one``: the field holds one."""
     limit = translator.max_source_tokens
     for n, ids in enumerate(translator.src_tokenizer.encode_batch(sentences)):
         if len(ids) > limit:
-            raise ApiError(413, f"sentences[{n}] has {len(ids)} sub-words; model reads at most {limit}")
+            name = field if one else f"{field}[{n}]"
+            raise ApiError(413, f"{name} has {len(ids)} sub-words; model reads at most {limit}")
 
 
 def finite(value: float) -> float | None:

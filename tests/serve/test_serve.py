@@ -2,6 +2,7 @@
 the analysis code compute; clear 4xx errors; concurrent clients get their own translations; the worker merges."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -76,7 +77,13 @@ def loaded(checkpoints: dict[str, str]) -> dict[str, nmtflow.Model]:
 @pytest.fixture(scope="module")
 def server(loaded: dict[str, nmtflow.Model]) -> Iterator[tuple[str, Any]]:
     """The app on 127.0.0.1 (a free port) in a background thread: (base URL, app)."""
-    app = create_app(loaded, max_sentences=20, max_chars=200)
+    with running(create_app(loaded, max_sentences=20, max_chars=200)) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def running(app: Any) -> Iterator[tuple[str, Any]]:
+    """``app`` served on 127.0.0.1 (a free port) in a background thread while the block runs: (base URL, app)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -240,6 +247,21 @@ def test_flow_of_phrasal_shortcut_and_bridge_models(server: tuple[str, Any]) -> 
     assert len(out["target_tokens"]) == len(out["target_input_tokens"]) and out["source_tokens"][-1] == "</s>"
 
 
+def test_sources_longer_than_the_model_reads_are_refused_by_every_endpoint(loaded: dict[str, nmtflow.Model]) -> None:
+    """Before: /api/translate answered 413, but /api/score and /api/flow answered (200) about the source cut short at
+    the model's limit, with no sign of it."""
+    limit = loaded["transformer"].translator().max_source_tokens
+    long = " ".join(["a"] * (limit + 1))
+    assert len(loaded["transformer"].translator().src_tokenizer.encode(long)) > limit
+    with running(create_app(loaded, max_sentences=20, max_chars=len(long))) as (base, _):
+        for path, body, name in (("/api/translate", {"sentences": ["a", long]}, "sentences[1]"),
+                                 ("/api/score", {"sources": ["a", long], "targets": ["a", "b"]}, "sources[1]"),
+                                 ("/api/flow", {"sentence": long}, "sentence")):
+            got, out = call(base, path, {"model": "transformer", **body})
+            assert (got, out) == (413, {"error": out["error"]}) and out["error"].startswith(f"{name} has "), out
+            assert out["error"].endswith(f"sub-words; model reads at most {limit}")
+
+
 @pytest.mark.parametrize("path, body, status, message", [
     ("/api/translate", {"model": "transformer", "sentences": []}, 422, "sentences"),
     ("/api/translate", {"model": "transformer", "sentences": ["  "]}, 422, "sentences[0] is empty"),
@@ -249,6 +271,8 @@ def test_flow_of_phrasal_shortcut_and_bridge_models(server: tuple[str, Any]) -> 
     ("/api/translate", {"model": "transformer", "sentences": ["a"], "beam_size": "5"}, 422, "beam_size"),
     ("/api/translate", {"model": "transformer", "sentences": ["a"], "nbest": 6}, 422, "nbest"),
     ("/api/translate", {"model": "transformer", "sentences": ["a"], "beam": 6}, 422, "beam: unknown field"),
+    ("/api/translate", {"model": "transformer", "sentences": ["a"], "len_penalty": 1000}, 422,
+     "len_penalty: must be between -20 and 20"),  # before: 500, OverflowError
     ("/api/translate", {"sentences": ["a"]}, 422, "model: name one of"),
     ("/api/translate", {"model": "nope", "sentences": ["a"]}, 404, "unknown model 'nope'"),
     ("/api/translate", {"model": "bridge", "sentences": ["a"], "src_lang": "en", "tgt_lang": "xx"}, 422,
