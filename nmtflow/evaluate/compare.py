@@ -37,8 +37,9 @@ import yaml
 
 from nmtflow.config import BLEU_TOKENIZER, Config, ConfigError, load_config, to_dict, yaml_dump
 from nmtflow.train.trainer import on_signals
-from nmtflow.evaluate.compare_job import (EXIT_INTERRUPTED, FINISHED, TRAINED, Interrupted, beyond_budget,
-                                          is_trained, read_json, run_job, write_json)
+from nmtflow.evaluate.compare_job import (EXIT_BUSY, EXIT_INTERRUPTED, FINISHED, PARENT_ENV, TRAINED, Interrupted,
+                                          beyond_budget, is_trained, read_json, run_job, training_pid,
+                                          write_json)
 from nmtflow.evaluate.experiment import (ExperimentConfig, RunSpec, load_experiment, parse_direction,
                                          resolve_config_path)
 
@@ -111,7 +112,10 @@ def _training_part(key: dict[str, Any]) -> dict[str, Any]:
 
 
 def _runs_started(out: Path) -> bool:
-    return any((out / "runs").glob("*/seed-*/checkpoint_last.pt"))
+    """Whether a run of ``out`` has a checkpoint: ``runs/NAME/seed-S``, or a per-direction run's
+    ``runs/NAME/DIRECTION/seed-S``."""
+    runs = out / "runs"
+    return any(runs.glob("*/seed-*/checkpoint_last.pt")) or any(runs.glob("*/*/seed-*/checkpoint_last.pt"))
 
 
 def prepare_data(exp: ExperimentConfig, out: Path) -> PreparedData:
@@ -126,7 +130,12 @@ def prepare_data(exp: ExperimentConfig, out: Path) -> PreparedData:
         raw = out / "corpus"
         s = d.synthetic
         key = {**to_dict(s), "langs": list(s.langs or d.langs)}
-        if read_json(raw / "corpus.json") != key:
+        drawn = read_json(raw / "corpus.json")
+        if drawn != key:
+            if drawn is not None and (out / "data" / DATA_KEY).is_file() and _runs_started(out):
+                # checked before the corpus is drawn again: a comparison still running decodes its test files
+                raise ConfigError(f"{out}: its runs were trained on the built-in corpus drawn with other settings "
+                                  f"({raw / 'corpus.json'}); use another --out, or delete {out}")
             log.info("generating the built-in corpus (%d training sentences) in %s", s.n_train, raw)
             generate_corpus(raw, langs=key["langs"], n_train=s.n_train, n_valid=s.n_valid, n_test=s.n_test,
                             seed=s.seed)
@@ -524,7 +533,8 @@ def _run_isolated(job_file: Path, run_dir: Path) -> tuple[int, bool]:
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     with open(run_dir / "train.log", "ab") as logf:
         # a session of its own: a terminal's Ctrl-C reaches only the comparison, which forwards it once
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=_job_env())
         assert proc.stdout is not None
         with _forward_signals(proc) as stopped, _pause_with(lambda: [proc]):
             while chunk := proc.stdout.read1(1 << 16):
@@ -534,6 +544,11 @@ def _run_isolated(job_file: Path, run_dir: Path) -> tuple[int, bool]:
                 sys.stderr.flush()
             rc = proc.wait()
     return rc, stopped()
+
+
+def _job_env() -> dict[str, str]:
+    """A run's environment: this one, with the comparison's pid (compare_job's ``stop_with_parent``)."""
+    return {**os.environ, PARENT_ENV: str(os.getpid())}
 
 
 def _log_tail(run_dir: Path) -> str:
@@ -560,6 +575,8 @@ def _outcome(run_dir: Path, rc: int, stopped: bool) -> tuple[str, dict[str, Any]
     """(status, finished.json, error) of a run whose process exited with ``rc``."""
     if rc == EXIT_INTERRUPTED or stopped:
         return "interrupted", None, "interrupted"
+    if rc == EXIT_BUSY:
+        return "interrupted", None, _busy(run_dir) or f"another training held {run_dir}"
     if rc < 0:  # killed: the last line of its output is not the reason
         name = signal.Signals(-rc).name if -rc in signal.valid_signals() else f"signal {-rc}"
         why = " (out of memory?)" if -rc == signal.SIGKILL else ""
@@ -570,9 +587,20 @@ def _outcome(run_dir: Path, rc: int, stopped: bool) -> tuple[str, dict[str, Any]
     return ("done", done, "") if done else ("failed", None, f"no {FINISHED} written: {_log_tail(run_dir)}")
 
 
+def _busy(run_dir: Path) -> str | None:
+    """Why the run in ``run_dir`` is not started: another process trains there (an earlier comparison of this
+    --out, still at work in another shell); None if none does."""
+    pid = training_pid(run_dir)
+    return None if pid is None else (f"another training is running in {run_dir} (pid {pid}: another nmtflow compare "
+                                     "of this --out?); not started twice: run the command again when it has ended")
+
+
 def execute(job: dict[str, Any], isolate: bool) -> tuple[str, dict[str, Any] | None, str]:
-    """(status: done | failed | interrupted, finished.json, error message) of one job."""
+    """(status: done | failed | interrupted, finished.json, error message) of one job; a run another process trains
+    (:func:`_busy`) is not started: interrupted, with why."""
     run_dir = Path(job["dir"])
+    if (busy := _busy(run_dir)) is not None:
+        return "interrupted", None, busy
     job_file = _write_job(job)
     if not isolate:
         try:
@@ -607,11 +635,16 @@ def execute_parallel(jobs: list[tuple[str, dict[str, Any]]], parallel: int,
         while running or (pending and not hit["flag"]):
             while pending and len(running) < parallel and not hit["flag"]:
                 label, job = pending.pop(0)
+                if (busy := _busy(Path(job["dir"]))) is not None:
+                    outcomes[job["dir"]] = ("interrupted", None, busy)
+                    report(label, job, *outcomes[job["dir"]])
+                    continue
                 job_file = _write_job(job)
                 log.info("%s: started on %s (log: %s)", label, job["device"], Path(job["dir"]) / "train.log")
                 logf = open(Path(job["dir"]) / "train.log", "ab")
                 proc = subprocess.Popen([sys.executable, "-m", "nmtflow.evaluate.compare_job", str(job_file)],
-                                        stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+                                        stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env=_job_env())
                 running[job["dir"]] = (proc, logf, label, job)
             time.sleep(0.2)
             for key, (proc, logf, label, job) in list(running.items()):

@@ -12,12 +12,14 @@ peak memory is the run's own and a crash cannot take the comparison down; with `
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib
 import json
 import logging
 import os
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,12 +28,16 @@ from typing import Any, Callable
 
 import torch
 
+from nmtflow.checkpoint import SaveDirBusy
 from nmtflow.config import BLEU_TOKENIZER
 from nmtflow.data.corpus import read_lines
 from nmtflow.runtime import keep_freed_memory
 
 TRAINED, FINISHED = "trained.json", "finished.json"
 EXIT_INTERRUPTED = 3
+EXIT_BUSY = 4  # another process holds the run's save dir
+PARENT_ENV = "NMTFLOW_COMPARE_PID"  # the comparison's pid, which stop_with_parent checks
+PR_SET_PDEATHSIG = 1
 log = logging.getLogger("nmtflow.compare")
 
 
@@ -100,10 +106,13 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             trained["fingerprint"] = job["fingerprint"]
             write_json(run_dir / TRAINED, trained)
     else:
-        result = train(load_config(job["config"]))
+        config = load_config(job["config"])
+        result = train(config)
         if result.progress.stopped.startswith("interrupted"):
             raise Interrupted(result.progress.stopped)
         p = result.progress
+        if p.bad_updates >= config.train.max_bad_updates:  # diverged: the reason, not decoding's NaN scores after it
+            raise RuntimeError(f"training diverged: {p.stopped}")
         beyond = beyond_budget(vars(p), job["budget"])
         if beyond:  # the comparison checks this before it starts a run; a lowered budget cannot undo training
             raise ValueError(f"{run_dir}: the run trained beyond the budget ({beyond}); use another --out, or "
@@ -267,12 +276,47 @@ def evaluate_ensemble(jobs: list[dict[str, Any]], out_dir: Path, device: str) ->
     return result
 
 
+def training_pid(run_dir: Path) -> int | None:
+    """The pid written in the save dir's ``.lock`` if that process is alive and, where ``/proc`` shows it, has the
+    lock file open (a pid reused by another process then does not count). The lock itself is not probed: taking it,
+    even for a moment, could refuse a training that is starting."""
+    lock = run_dir / ".lock"
+    try:
+        pid = int(lock.read_text(encoding="ascii").strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    fds = Path(f"/proc/{pid}/fd")
+    try:
+        links = [os.readlink(fd) for fd in fds.iterdir()]
+    except OSError:  # no /proc (not Linux) or another user's process: alive is all we know
+        return pid
+    return pid if os.path.realpath(lock) in links else None
+
+
+def stop_with_parent() -> None:
+    """Have the kernel send this run SIGTERM when the comparison that started it dies (``kill -9``, a closed
+    terminal), which it answers as Ctrl-C: a checkpoint, then exit; otherwise it trained on, orphaned, and the next
+    ``nmtflow compare`` found its save dir busy. Linux only (``prctl``); elsewhere nothing."""
+    parent = os.environ.get(PARENT_ENV)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # no prctl (not Linux)
+        return
+    if parent is not None and os.getppid() != int(parent):  # it died before prctl: no signal will come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m nmtflow.evaluate.compare_job JOB.json``: exit 0 done, 3 interrupted, 1 failed."""
+    """``python -m nmtflow.evaluate.compare_job JOB.json``: exit 0 done, 3 interrupted, 4 another process trains
+    in the run's save dir, 1 failed."""
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    stop_with_parent()
     keep_freed_memory()
     sys.path.insert(0, os.getcwd())
     for module in job.get("plugins", []):
@@ -282,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as exc:
         log.warning("%s: %s", job["dir"], exc)
         return EXIT_INTERRUPTED
+    except SaveDirBusy as exc:  # the same run started twice (two comparisons of one --out): not this run's failure
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BUSY
     except Exception as exc:  # the traceback goes to train.log; the last line is what the comparison reports
         log.exception("run failed")
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

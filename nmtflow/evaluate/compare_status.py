@@ -14,7 +14,6 @@ skews it; the time between a stop and the resume is not counted at all).
 from __future__ import annotations
 
 import math
-import os
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from nmtflow.evaluate.compare_job import FINISHED, TRAINED, read_json
+from nmtflow.evaluate.compare_job import FINISHED, TRAINED, read_json, training_pid
 from nmtflow.evaluate.experiment import ExperimentConfig
 from nmtflow.train.trainer import read_log
 
@@ -56,24 +55,6 @@ class RunStatus:
         if not self.total or not self.seconds_per_update:
             return None
         return max(self.total - self.update, 0) * self.seconds_per_update
-
-
-def _training_pid(run_dir: Path) -> int | None:
-    """The pid written in the save dir's ``.lock`` if that process is alive and, where ``/proc`` shows it, has the
-    lock file open (a pid reused by another process then does not count). The lock itself is not probed: taking it,
-    even for a moment, could refuse a training that is starting."""
-    lock = run_dir / ".lock"
-    try:
-        pid = int(lock.read_text(encoding="ascii").strip())
-        os.kill(pid, 0)
-    except (OSError, ValueError):
-        return None
-    fds = Path(f"/proc/{pid}/fd")
-    try:
-        links = [os.readlink(fd) for fd in fds.iterdir()]
-    except OSError:  # no /proc (not Linux) or another user's process: alive is all we know
-        return pid
-    return pid if os.path.realpath(lock) in links else None
 
 
 def _zero_shot(run_dir: Path) -> list[str]:
@@ -109,7 +90,7 @@ def run_status(name: str, run_dir: Path) -> RunStatus:
     job = read_json(run_dir / "job.json") or {}
     if (run_dir / FINISHED).is_file():
         s.state = "done"
-    elif _training_pid(run_dir) is not None:
+    elif training_pid(run_dir) is not None:
         s.state = "training"
     elif (run_dir / TRAINED).is_file():
         s.state = "trained, not decoded"

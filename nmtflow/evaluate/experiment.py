@@ -90,6 +90,13 @@ class ExperimentData:
                 raise ConfigError(f"{where}.splits: needs a {name!r} split (name: file prefix)")
         if self.synthetic is not None and self.path:
             raise ConfigError(f"{where}: give either path or synthetic, not both")
+        if self.vocab_size <= 4:  # <pad>, <unk>, <s>, </s>; the text's least is SentencePiece's to say
+            raise ConfigError(f"{where}.vocab_size: must be > 4 (the special pieces and at least one more), got "
+                              f"{self.vocab_size}")
+        if self.max_len < 1:
+            raise ConfigError(f"{where}.max_len: must be >= 1 (tokens of a training sentence), got {self.max_len}")
+        if not self.max_ratio >= 1:  # NaN too
+            raise ConfigError(f"{where}.max_ratio: must be >= 1 (longer side / shorter side), got {self.max_ratio}")
         if self.synthetic is not None:
             for split in ("train", "valid", "test"):
                 least, n = int(split == "train"), getattr(self.synthetic, f"n_{split}")

@@ -5,7 +5,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -229,6 +231,24 @@ def no_training(*args, **kwargs):
     raise AssertionError("a trained run was trained again")
 
 
+def test_a_diverged_run_fails_with_the_divergence_as_its_reason(copied, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: training stopped cleanly on non-finite losses, then decoding failed on NaN scores, and that decoding
+    error (a traceback on the console) was recorded as the reason."""
+    from types import SimpleNamespace
+
+    experiment, out = copied
+    for name in ("trained.json", "finished.json"):
+        (out / "runs" / "baseline" / "seed-1" / name).unlink()
+    stopped = "stopped after 5 consecutive non-finite losses (train.max_bad_updates=5): lower lr, use clip_norm"
+    monkeypatch.setattr(compare_job, "train", lambda config: SimpleNamespace(progress=SimpleNamespace(
+        stopped=stopped, bad_updates=5, update=10, epoch=1, elapsed=1.0)))
+    monkeypatch.setattr(compare_job, "evaluate", no_training)  # not decoded
+    result = run_comparison(experiment, out=out, overrides=["isolate=false"], only=["baseline"])
+    assert result.failed
+    run = result.runs[0]["seeds"][0]
+    assert run["status"] == "failed" and run["error"] == f"RuntimeError: training diverged: {stopped}"
+
+
 def test_another_prepared_dataset_is_refused(copied, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from nmtflow.data.prepare import prepare
 
@@ -431,6 +451,82 @@ def test_a_new_test_set_is_decoded_without_training_again(copied, monkeypatch: p
         g.write("noch eine zeile\n")
     with pytest.raises(ConfigError, match="trained on data prepared with other settings"):
         run_comparison(experiment, out=out, overrides=added)
+
+
+def test_a_changed_built_in_corpus_is_refused_before_it_is_drawn_again(copied) -> None:
+    """Before: the refusal came after OUT/corpus had been drawn again with the new settings, so a comparison of the
+    same --out still running decoded the new test files (and the next plain rerun drew the old ones back)."""
+    experiment, out = copied
+    before = {p.name: p.read_bytes() for p in (out / "corpus").iterdir()}
+    with pytest.raises(ConfigError, match=r"out: its runs were trained on the built-in corpus drawn with other "
+                                          r"settings \(.*corpus\.json\); use another --out"):
+        run_comparison(experiment, out=out, overrides=["data.synthetic.n_test=21"])
+    assert {p.name: p.read_bytes() for p in (out / "corpus").iterdir()} == before
+
+
+def test_a_per_direction_runs_checkpoint_counts_as_a_started_run(tmp_path: Path) -> None:
+    """Before: only runs/NAME/seed-S was looked at, so the data under a per-direction run (runs/NAME/DIR/seed-S)
+    was prepared again with other settings, the run reported as finished earlier on the old data."""
+    assert not compare._runs_started(tmp_path)
+    (tmp_path / "runs" / "bridge" / "en-de" / "seed-1").mkdir(parents=True)
+    (tmp_path / "runs" / "bridge" / "en-de" / "seed-1" / "checkpoint_last.pt").write_bytes(b"")
+    assert compare._runs_started(tmp_path)
+
+
+def test_a_run_another_process_trains_is_not_started_twice(tmp_path: Path) -> None:
+    """Before: the same comparison in two shells (or a rerun beside an orphaned run) started the run again; it died
+    with a SaveDirBusy traceback, was reported failed, with a line of the other process's log as its reason."""
+    from nmtflow.checkpoint import lock_save_dir, unlock_save_dir
+
+    run_dir = tmp_path / "runs" / "baseline" / "seed-1"
+    run_dir.mkdir(parents=True)
+    assert compare._busy(run_dir) is None
+    lock_save_dir(run_dir)  # this process stands for the other training
+    try:
+        status, result, why = compare.execute({"dir": str(run_dir)}, isolate=True)
+    finally:
+        unlock_save_dir(run_dir)
+    assert (status, result) == ("interrupted", None)
+    assert why.startswith(f"another training is running in {run_dir} (pid {os.getpid()}") and "not started" in why
+    assert compare._outcome(run_dir, compare_job.EXIT_BUSY, False)[0] == "interrupted"
+
+
+CHILD = """
+import signal, sys, time
+from pathlib import Path
+from nmtflow.evaluate.compare_job import stop_with_parent
+signal.signal(signal.SIGTERM, lambda *_: (Path(sys.argv[1]).write_text("stopped"), sys.exit(0)))
+stop_with_parent()
+Path(sys.argv[1] + ".ready").write_text("")
+time.sleep(60)
+"""
+PARENT = """
+import os, subprocess, sys, time
+from nmtflow.evaluate.compare_job import PARENT_ENV
+subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], start_new_session=True,
+                 env={**os.environ, PARENT_ENV: str(os.getpid())})
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_run_stops_when_its_comparison_is_killed(tmp_path: Path) -> None:
+    """Before: kill -9 (or a closed terminal) ended the comparison but not its run, which trained on orphaned; the
+    next nmtflow compare found its save dir busy. Now the run gets SIGTERM, as on Ctrl-C (checkpoint, exit)."""
+    import subprocess
+    import time
+
+    marker = tmp_path / "child"
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(marker)])
+    deadline = time.monotonic() + 60
+    while not Path(f"{marker}.ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert Path(f"{marker}.ready").exists()
+    parent.kill()
+    parent.wait()
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.read_text() == "stopped"
 
 
 def test_a_data_identity_recorded_over_every_split_is_still_recognised(copied,

@@ -39,6 +39,11 @@ def experiment(tmp_path: Path) -> Path:
     ("decode.max_len_a=.inf", r"decode\.max_len_a: must be >= 0 \(and finite\), got inf"),
     ("seeds=[-1]", r"seeds: -1 is not a training seed: each must be in \[0, 2\*\*32\)"),
     ("data.synthetic.n_train=-5", r"data\.synthetic\.n_train: the number of train sentences must be >= 1, got -5"),
+    # these failed after the corpus had been drawn, naming neither the file nor the key
+    ("data.max_len=0", r"data\.max_len: must be >= 1 \(tokens of a training sentence\), got 0"),
+    ("data.max_ratio=-1", r"data\.max_ratio: must be >= 1 \(longer side / shorter side\), got -1\.0"),
+    ("data.vocab_size=-5", r"data\.vocab_size: must be > 4 \(the special pieces and at least one more\), got -5"),
+    ("decode.len_penalty=1000", r"decode\.len_penalty: must be between -20 and 20"),
 ])
 def test_settings_that_failed_after_training_are_errors_naming_where_they_were_set(experiment: Path,
                                                                                     override: str,
