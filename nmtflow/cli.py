@@ -29,7 +29,7 @@ def cmd_corpus(args: argparse.Namespace) -> None:
     from nmtflow.data.synthetic import generate_corpus
 
     counts = generate_corpus(args.out, langs=args.langs, n_train=args.train, n_valid=args.valid,
-                             n_test=args.test, seed=args.seed)
+                             n_test=args.test, seed=args.seed, force=args.force)
     print(f"wrote {args.out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
@@ -646,6 +646,10 @@ def cmd_compare(args: argparse.Namespace) -> None:
     if result.failed:
         raise ValueError(f"{len(result.failed)} run(s) failed ({', '.join(result.failed)}); see "
                          f"{result.out / 'results.md'}; rerun the same command to retry them")
+    if result.busy:
+        raise ValueError(f"{len(result.busy)} run(s) not started ({', '.join(result.busy)}): another process is "
+                         "training them (another nmtflow compare of this --out?); run the same command again when it "
+                         "has ended")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -713,6 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--valid", type=int, default=500)
     p.add_argument("--test", type=int, default=500)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--force", action="store_true", help="write over SPLIT.LANG files in OUT without a corpus.json "
+                   "(a corpus of an earlier version); without it they are refused as someone's own")
 
     p = sub.add_parser("prepare", help="validate, clean, learn SentencePiece, binarize a parallel corpus")
     p.add_argument("--train", metavar="PREFIX", help="training files PREFIX.LANG (required unless --add)")

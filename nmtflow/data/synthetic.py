@@ -754,21 +754,23 @@ CORPUS_MARKER = "corpus.json"  # what generate_corpus writes beside its files: t
 
 def claim_corpus_dir(out: Path, splits: Iterable[str]) -> None:
     """A ValueError, before anything is written, where ``out`` holds ``SPLIT.LANG`` files that
-    :func:`generate_corpus` would replace or delete but did not write (no :data:`CORPUS_MARKER`): the user's own."""
+    :func:`generate_corpus` would replace or delete but did not write (no :data:`CORPUS_MARKER`): the user's own, or
+    a corpus of a version that wrote no marker (``force`` then)."""
     if not out.is_dir() or (out / CORPUS_MARKER).is_file():
         return
     theirs = [f"{split}.{lang}" for split in splits for lang in SUPPORTED_LANGS if (out / f"{split}.{lang}").exists()]
     if theirs:
         shown = ", ".join(theirs[:4]) + (f" and {len(theirs) - 4} more" if len(theirs) > 4 else "")
         raise ValueError(f"{out}: holds {shown}, which nmtflow corpus did not write (no {CORPUS_MARKER}); writing "
-                         "the built-in corpus there would replace or delete them: give a new directory (nothing was "
-                         "changed)")
+                         "the built-in corpus there would replace or delete them: give a new directory, or --force "
+                         "if an earlier nmtflow corpus wrote them (before it left a corpus.json) (nothing was changed)")
 
 
 def generate_corpus(out_dir: str | Path, langs: Sequence[str] = DEFAULT_LANGS, n_train: int = 20000,
-                    n_valid: int = 500, n_test: int = 500, seed: int = 1234) -> dict[str, int]:
-    """Writes out_dir/{train,valid,test}.{lang} (UTF-8, one sentence per line, LF); returns line counts per split.
-    Splits must not share sentences (dedupe across splits by the source meaning), and no line is empty.
+                    n_valid: int = 500, n_test: int = 500, seed: int = 1234, *, force: bool = False) -> dict[str, int]:
+    """Writes out_dir/{train,valid,test}.{lang} (UTF-8, one sentence per line, LF) and :data:`CORPUS_MARKER`;
+    returns line counts per split. Splits must not share sentences (dedupe across splits by the source meaning), and
+    no line is empty. A directory holding such files without the marker is refused unless ``force``.
 
     The held-out splits are drawn first (test, then valid, then train), so for a seed the test split depends only on
     ``n_test`` and the valid split on ``n_test`` and ``n_valid``: corpora that differ in ``n_train`` (a learning
@@ -782,7 +784,8 @@ def generate_corpus(out_dir: str | Path, langs: Sequence[str] = DEFAULT_LANGS, n
         if n < (1 if split == "train" else 0):
             raise ValueError(f"--{split}: the number of {split} sentences must be >= {int(split == 'train')}, got {n}")
     out = Path(out_dir)
-    claim_corpus_dir(out, sizes)
+    if not force:  # force: out_dir is the caller's own (a comparison's OUT/corpus), or known to hold a corpus
+        claim_corpus_dir(out, sizes)
     total, rows, seen = sum(sizes.values()), [], [set() for _ in SUPPORTED_LANGS]
     for tries, t in enumerate(_iter_tuples(seed)):
         if len(rows) == total:

@@ -77,6 +77,7 @@ class ComparisonResult:
     runs: list[dict[str, Any]]
     failed: list[str]
     table: str = ""  # per run and direction: BLEU, lowercased BLEU, chrF and the paper's figure (results.md has it)
+    busy: list[str] = field(default_factory=list)  # runs not started: another process trains them (_busy)
 
 
 # ---- output directory -----------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ def prepare_data(exp: ExperimentConfig, out: Path) -> PreparedData:
                                   f"({raw / 'corpus.json'}); use another --out, or delete {out}")
             log.info("generating the built-in corpus (%d training sentences) in %s", s.n_train, raw)
             generate_corpus(raw, langs=key["langs"], n_train=s.n_train, n_valid=s.n_valid, n_test=s.n_test,
-                            seed=s.seed)
+                            seed=s.seed, force=True)  # OUT/corpus is the comparison's own (check_out)
             write_json(raw / "corpus.json", key)
     else:
         if not d.path:
@@ -576,7 +577,7 @@ def _outcome(run_dir: Path, rc: int, stopped: bool) -> tuple[str, dict[str, Any]
     if rc == EXIT_INTERRUPTED or stopped:
         return "interrupted", None, "interrupted"
     if rc == EXIT_BUSY:
-        return "interrupted", None, _busy(run_dir) or f"another training held {run_dir}"
+        return "busy", None, _busy(run_dir) or f"another training held {run_dir}"
     if rc < 0:  # killed: the last line of its output is not the reason
         name = signal.Signals(-rc).name if -rc in signal.valid_signals() else f"signal {-rc}"
         why = " (out of memory?)" if -rc == signal.SIGKILL else ""
@@ -596,11 +597,11 @@ def _busy(run_dir: Path) -> str | None:
 
 
 def execute(job: dict[str, Any], isolate: bool) -> tuple[str, dict[str, Any] | None, str]:
-    """(status: done | failed | interrupted, finished.json, error message) of one job; a run another process trains
-    (:func:`_busy`) is not started: interrupted, with why."""
+    """(status: done | failed | interrupted | busy, finished.json, error message) of one job; a run another process
+    trains (:func:`_busy`) is not started: busy, with why."""
     run_dir = Path(job["dir"])
     if (busy := _busy(run_dir)) is not None:
-        return "interrupted", None, busy
+        return "busy", None, busy
     job_file = _write_job(job)
     if not isolate:
         try:
@@ -636,7 +637,7 @@ def execute_parallel(jobs: list[tuple[str, dict[str, Any]]], parallel: int,
             while pending and len(running) < parallel and not hit["flag"]:
                 label, job = pending.pop(0)
                 if (busy := _busy(Path(job["dir"]))) is not None:
-                    outcomes[job["dir"]] = ("interrupted", None, busy)
+                    outcomes[job["dir"]] = ("busy", None, busy)
                     report(label, job, *outcomes[job["dir"]])
                     continue
                 job_file = _write_job(job)
@@ -735,6 +736,8 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
         status_of[job["dir"]] = (status, result, error)
         if status == "failed":
             log.error("%s failed: %s", label, error)
+        elif status == "busy":
+            log.warning("%s: not started: %s", label, error)
         elif status == "interrupted":
             log.warning("%s interrupted; rerun the same command to continue", label)
             return
@@ -780,9 +783,12 @@ def run_comparison(experiment: str | Path, out: str | Path | None = None, overri
     outcomes = outcomes_so_far("not run yet (interrupted)")
     ensembles = decode_ensembles(exp, out, outcomes) if exp.ensemble and not interrupted else {}
     files, runs = write_report(exp, out, outcomes, command=command, ensembles=ensembles)
-    failed = [f"{o['run']}" + (f" {o['direction']}" if o["direction"] else "") + f" seed {o['seed']}"
-              for o in outcomes if o["status"] == "failed"]
+    def named(status: str) -> list[str]:
+        return [f"{o['run']}" + (f" {o['direction']}" if o["direction"] else "") + f" seed {o['seed']}"
+                for o in outcomes if o["status"] == status]
+
+    failed = named("failed")
     log.info("wrote %s", ", ".join(str(f) for f in files))
     if interrupted:
         raise KeyboardInterrupt
-    return ComparisonResult(out, files, runs, failed, direction_table(exp, runs))
+    return ComparisonResult(out, files, runs, failed, direction_table(exp, runs), busy=named("busy"))

@@ -31,7 +31,8 @@ import torch
 from nmtflow.checkpoint import SaveDirBusy
 from nmtflow.config import BLEU_TOKENIZER
 from nmtflow.data.corpus import read_lines
-from nmtflow.runtime import keep_freed_memory
+from nmtflow.data.locks import LockHeld, lock_file
+from nmtflow.runtime import keep_freed_memory, new_file_mode
 
 TRAINED, FINISHED = "trained.json", "finished.json"
 EXIT_INTERRUPTED = 3
@@ -276,21 +277,35 @@ def evaluate_ensemble(jobs: list[dict[str, Any]], out_dir: Path, device: str) ->
     return result
 
 
+JOB_LOCK = ".job.lock"  # held by a run's process from start to end: training, then decoding (the save dir's
+# .lock is the trainer's, released when training ends)
+
+
 def training_pid(run_dir: Path) -> int | None:
-    """The pid written in the save dir's ``.lock`` if that process is alive and, where ``/proc`` shows it, has the
-    lock file open (a pid reused by another process then does not count). The lock itself is not probed: taking it,
-    even for a moment, could refuse a training that is starting."""
-    lock = run_dir / ".lock"
+    """The pid of a process at work on the run in ``run_dir``: its :data:`JOB_LOCK`'s holder (training or decoding),
+    else the save dir's ``.lock``'s (a training started otherwise, e.g. ``nmtflow train``); None if neither."""
+    return lock_holder(run_dir / JOB_LOCK) or lock_holder(run_dir / ".lock")
+
+
+def lock_holder(lock: Path) -> int | None:
+    """The pid written in lock file ``lock`` if that process is alive and, where ``/proc`` shows it, has the file
+    open (a pid reused by another process then does not count). The lock itself is not probed: taking it, even for
+    a moment, could refuse a process that is starting."""
     try:
         pid = int(lock.read_text(encoding="ascii").strip())
         os.kill(pid, 0)
     except (OSError, ValueError):
         return None
-    fds = Path(f"/proc/{pid}/fd")
     try:
-        links = [os.readlink(fd) for fd in fds.iterdir()]
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
     except OSError:  # no /proc (not Linux) or another user's process: alive is all we know
         return pid
+    links = set()
+    for fd in fds:
+        try:
+            links.add(os.readlink(fd))
+        except OSError:  # closed since the listing (the listing's own, when pid is this process)
+            continue
     return pid if os.path.realpath(lock) in links else None
 
 
@@ -317,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     job = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
     stop_with_parent()
+    try:  # held until this process ends: a second comparison of the same --out neither trains nor decodes this run
+        lock_file(Path(job["dir"]) / JOB_LOCK, new_file_mode())
+    except LockHeld as held:
+        print(f"SaveDirBusy: {job['dir']}: another process is at work on this run (pid {held.owner})", file=sys.stderr,
+              flush=True)
+        return EXIT_BUSY
     keep_freed_memory()
     sys.path.insert(0, os.getcwd())
     for module in job.get("plugins", []):

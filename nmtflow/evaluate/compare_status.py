@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from nmtflow.evaluate.compare_job import FINISHED, TRAINED, read_json, training_pid
+from nmtflow.evaluate.compare_job import FINISHED, TRAINED, lock_holder, read_json
 from nmtflow.evaluate.experiment import ExperimentConfig
 from nmtflow.train.trainer import read_log
 
@@ -90,7 +90,7 @@ def run_status(name: str, run_dir: Path) -> RunStatus:
     job = read_json(run_dir / "job.json") or {}
     if (run_dir / FINISHED).is_file():
         s.state = "done"
-    elif training_pid(run_dir) is not None:
+    elif lock_holder(run_dir / ".lock") is not None:  # the trainer's: training now
         s.state = "training"
     elif (run_dir / TRAINED).is_file():
         s.state = "trained, not decoded"

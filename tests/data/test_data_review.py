@@ -124,6 +124,11 @@ def test_a_corpus_is_not_written_over_files_it_did_not_write(tmp_path: Path,
     assert main(["corpus", str(tmp_path / "new"), "--train", "5", "--valid", "1", "--test", "1"]) == 0
     assert main(["corpus", str(tmp_path / "new"), "--train", "6", "--valid", "1", "--test", "1"]) == 0  # its own
     assert len(_lines(tmp_path / "new" / "train.en")) == 6
+    (tmp_path / "new" / "corpus.json").unlink()  # as versions before the marker left a corpus
+    assert main(["corpus", str(tmp_path / "new"), "--train", "7", "--valid", "1", "--test", "1"]) == 2
+    assert "--force if an earlier nmtflow corpus wrote them" in capsys.readouterr().err
+    assert main(["corpus", str(tmp_path / "new"), "--train", "7", "--valid", "1", "--test", "1", "--force"]) == 0
+    assert len(_lines(tmp_path / "new" / "train.en")) == 7 and (tmp_path / "new" / "corpus.json").is_file()
 
 
 # ------------------------------------------------------------------------------------------ TSV reading

@@ -478,6 +478,8 @@ def test_a_run_another_process_trains_is_not_started_twice(tmp_path: Path) -> No
     with a SaveDirBusy traceback, was reported failed, with a line of the other process's log as its reason."""
     from nmtflow.checkpoint import lock_save_dir, unlock_save_dir
 
+    from nmtflow.data.locks import lock_file
+
     run_dir = tmp_path / "runs" / "baseline" / "seed-1"
     run_dir.mkdir(parents=True)
     assert compare._busy(run_dir) is None
@@ -486,9 +488,17 @@ def test_a_run_another_process_trains_is_not_started_twice(tmp_path: Path) -> No
         status, result, why = compare.execute({"dir": str(run_dir)}, isolate=True)
     finally:
         unlock_save_dir(run_dir)
-    assert (status, result) == ("interrupted", None)
+    assert (status, result) == ("busy", None)
     assert why.startswith(f"another training is running in {run_dir} (pid {os.getpid()}") and "not started" in why
-    assert compare._outcome(run_dir, compare_job.EXIT_BUSY, False)[0] == "interrupted"
+    assert compare._outcome(run_dir, compare_job.EXIT_BUSY, False)[0] == "busy"
+    assert compare._busy(run_dir) is None
+    # decoding, after the trainer let go of .lock: the run's process still holds its job lock
+    fd = lock_file(run_dir / compare_job.JOB_LOCK, 0o644)
+    try:
+        assert compare.execute({"dir": str(run_dir)}, isolate=True)[0] == "busy"
+    finally:
+        os.close(fd)
+    assert compare._busy(run_dir) is None
 
 
 CHILD = """
