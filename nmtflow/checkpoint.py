@@ -27,6 +27,7 @@ from nmtflow.data.tokenizer import same_model
 from nmtflow.runtime import new_file_mode
 
 FORMAT = "nmtflow-1"
+TORCH_MAGIC = b"PK\x03\x04"  # the first bytes of what torch.save writes (a zip archive)
 INTEGRITY = "integrity"  # the checkpoint's key of its integrity code (see integrity_code)
 LOCK_NAME = ".lock"  # in a save dir: held by the process that trains there
 
@@ -194,7 +195,8 @@ def check_integrity(ckpt: dict[str, Any], path: str | Path) -> None:
                 what = "was not there when it was saved" if str(key) not in settings else \
                     "differs from what it was saved with (integrity code)"
                 raise CheckpointError(f"{path}: corrupted: its {key!r} entry {what}; {advice}")
-        gone = next((key for key in settings if key not in {str(k) for k in ckpt}), None)
+        present = {str(k) for k in ckpt}
+        gone = next((key for key in settings if key not in present), None)
         if gone is not None:
             raise CheckpointError(f"{path}: corrupted: its {gone!r} entry it was saved with is missing; {advice}")
 
@@ -278,7 +280,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             magic = handle.read(4)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read the checkpoint ({exc.strerror or exc})") from None
-    if magic != b"PK\x03\x04":  # torch.save writes a zip archive
+    if magic != TORCH_MAGIC:
         what = "an empty file" if not magic else "not a PyTorch checkpoint file"
         raise CheckpointError(f"{path}: not an nmtflow checkpoint ({what})")
     try:

@@ -225,12 +225,14 @@ def _refuse_overwrite(output: str | None, inputs: dict[str, str | Path | None], 
             raise ValueError(f"-o {output}: is the {option} file; writing the {what} there would replace it "
                              "(give -o another file)")
     if text and os.path.isfile(output):
+        from nmtflow.checkpoint import TORCH_MAGIC
+
         try:
             with open(output, "rb") as handle:
                 magic = handle.read(4)
         except OSError:  # unreadable: writing it says why
             return
-        if magic == b"PK\x03\x04":  # what torch.save writes: a checkpoint, not text to replace
+        if magic == TORCH_MAGIC:  # a checkpoint, not text to replace
             raise ValueError(f"-o {output}: holds a PyTorch checkpoint; writing the {what} there would destroy it "
                              "(give -o another file)")
 
